@@ -1,0 +1,129 @@
+"""BertConfig: HF config.json field names and defaults, presets, validation with clear errors."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+# hidden_act -> the GELU approximation fastbert's kernels compute (the tanh forms are one formula).
+HIDDEN_ACTS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
+
+PRESETS: dict[str, dict[str, int]] = {
+    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512),
+    "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
+    "large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
+}
+
+
+@dataclass
+class BertConfig:
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    initializer_range: float = 0.02
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int = 0
+    position_embedding_type: str = "absolute"
+    classifier_dropout: float | None = None
+    # Fields fastbert does not use but must write back unchanged (architectures, id2label, ...).
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        self.validate()
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def gelu_approximate(self) -> str:
+        return HIDDEN_ACTS[self.hidden_act]
+
+    def validate(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "intermediate_size", "max_position_embeddings", "type_vocab_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"BertConfig.{name} must be a positive integer, got {value!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"BertConfig.hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                f"({self.num_attention_heads})"
+            )
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"BertConfig.hidden_act {self.hidden_act!r} is not supported (supported: {', '.join(HIDDEN_ACTS)})")
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+                raise ValueError(f"BertConfig.{name} must be in [0, 1), got {value!r}")
+        if not (isinstance(self.layer_norm_eps, (int, float)) and self.layer_norm_eps > 0):
+            raise ValueError(f"BertConfig.layer_norm_eps must be positive, got {self.layer_norm_eps!r}")
+        if self.position_embedding_type != "absolute":
+            raise ValueError(
+                f"BertConfig.position_embedding_type {self.position_embedding_type!r} is not supported (only 'absolute')"
+            )
+        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
+            raise ValueError(f"BertConfig.pad_token_id ({self.pad_token_id}) must be in [0, vocab_size={self.vocab_size})")
+        if self.extra.get("is_decoder") or self.extra.get("add_cross_attention"):
+            raise ValueError("BertConfig: decoder / cross-attention BERT (is_decoder, add_cross_attention) is not supported")
+        model_type = self.extra.get("model_type", "bert")
+        if model_type != "bert":
+            raise ValueError(f"BertConfig: model_type {model_type!r} is not BERT")
+
+    # ---------------------------------------------------------------- presets and (de)serialization
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "BertConfig":
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r} (known: {', '.join(PRESETS)})")
+        return cls(**{**PRESETS[name], **overrides})
+
+    @classmethod
+    def tiny(cls, **overrides) -> "BertConfig":
+        return cls.preset("tiny", **overrides)
+
+    @classmethod
+    def base(cls, **overrides) -> "BertConfig":
+        return cls.preset("base", **overrides)
+
+    @classmethod
+    def large(cls, **overrides) -> "BertConfig":
+        return cls.preset("large", **overrides)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "BertConfig":
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        return cls(**{k: v for k, v in d.items() if k in known}, extra={k: v for k, v in d.items() if k not in known})
+
+    def to_dict(self) -> dict:
+        d = {k: v for k, v in dataclasses.asdict(self).items() if k != "extra"}
+        return {"model_type": "bert", **self.extra, **d}
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike) -> "BertConfig":
+        path = os.path.join(directory, "config.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no config.json in {directory}")
+        try:
+            with open(path, encoding="utf-8") as f:
+                d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"{path} must hold a JSON object, got {type(d).__name__}")
+        return cls.from_dict(d)
+
+    def save_pretrained(self, directory: str | os.PathLike, **overrides) -> None:
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
+            json.dump({**self.to_dict(), **overrides}, f, indent=2, sort_keys=True)
+            f.write("\n")

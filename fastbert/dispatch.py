@@ -1,0 +1,319 @@
+"""Which backend runs each op: the only place in fastbert that makes that choice.
+
+Every op has one implementation per backend. A backend answers `not_supported_reasons(op, inputs)`
+in words; selection walks the op's priority list and takes the first backend with no reasons.
+`reference` always qualifies, so there is always an answer. A backend forced by `FASTBERT_BACKEND`,
+`FASTBERT_BACKEND_<OP>` or `use_backend(...)` that cannot serve raises `BackendUnavailable` with its
+reasons; it never falls back silently. Decisions read only static properties (device, dtype, shapes,
+flags), so they hold under torch.compile.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+logger = logging.getLogger("fastbert")
+
+BACKENDS = ("cuda", "triton", "cpu", "reference")  # default priority, best first
+OPS = ("qkv_projection", "attention", "varlen_attention", "bias_gelu", "dense", "add_layer_norm")
+
+
+class BackendUnavailable(RuntimeError):
+    """A forced backend cannot serve a call; the message lists its reasons."""
+
+
+@dataclass(frozen=True)
+class Support:
+    """What one backend's implementation of one op accepts."""
+
+    devices: tuple[str, ...]
+    dtypes: tuple[torch.dtype, ...]
+    head_dims: tuple[int, ...] | None = None  # None: any
+    dropout: bool = True  # can it apply dropout itself
+    probabilities: bool = False  # can it return attention probabilities (output_attentions)
+
+
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+# --------------------------------------------------------------------------------------------------
+# Backends: what each needs from the machine (built or importable), independent of any call.
+
+
+def _import_error(module: str) -> str | None:
+    try:
+        importlib.import_module(module)
+    except Exception as e:  # a broken build must not break `import fastbert`
+        return f"{type(e).__name__}: {e}".strip().splitlines()[0]
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def machine_reasons(backend: str) -> tuple[str, ...]:
+    """Why `backend` cannot run on this machine at all; empty when it can."""
+    if backend == "reference":
+        return ()
+    if backend == "triton":
+        err = _import_error("triton")
+        if err:
+            return (f"triton does not import: {err}",)
+        if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+            return ("no CUDA GPU, and the Triton interpreter is off (set TRITON_INTERPRET=1 before import)",)
+        return ()
+    if backend in ("cpu", "cuda"):
+        err = _import_error("fastbert._C")
+        if err:
+            return (f"fastbert._C was not built: {err}",)
+        if backend == "cuda":
+            from fastbert import _C
+
+            if not getattr(_C, "WITH_CUDA", False):
+                return ("fastbert._C was built without CUDA (needs a CUDA toolkit and a CUDA build of torch)",)
+        return ()
+    raise ValueError(f"unknown backend {backend!r} (known: {', '.join(BACKENDS)})")
+
+
+# --------------------------------------------------------------------------------------------------
+# The registry: op -> backend -> (implementation, support). Op modules register themselves.
+
+
+@dataclass(frozen=True)
+class Impl:
+    fn: Callable
+    support: Support
+    extra_reasons: Callable[[dict], list[str]] | None = None  # op-specific checks beyond Support
+
+
+_REGISTRY: dict[str, dict[str, Impl]] = {op: {} for op in OPS}
+
+
+def register(op: str, backend: str, support: Support, extra_reasons=None):
+    """Decorator: `fn` implements `op` on `backend` for inputs that `support` describes."""
+    if op not in _REGISTRY:
+        raise ValueError(f"unknown op {op!r} (known: {', '.join(OPS)})")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r} (known: {', '.join(BACKENDS)})")
+
+    def wrap(fn):
+        _REGISTRY[op][backend] = Impl(fn, support, extra_reasons)
+        return fn
+
+    return wrap
+
+
+def implementations(op: str) -> dict[str, Impl]:
+    return dict(_REGISTRY[op])
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def not_supported_reasons(op: str, backend: str, inputs: dict) -> list[str]:
+    """Why `backend` cannot run `op` on `inputs`, in words; empty when it can.
+
+    `inputs` holds the call's static facts: `tensors` (the tensor arguments), and flags such as
+    `head_dim`, `dropout_p`, `need_weights`.
+    """
+    impl = _REGISTRY[op].get(backend)
+    if impl is None:
+        return [f"{backend} has no {op} implementation yet"]
+    reasons = list(machine_reasons(backend))
+    if reasons:
+        return reasons
+    s = impl.support
+    tensors = [t for t in inputs.get("tensors", ()) if t is not None]
+    devices = {t.device.type for t in tensors}
+    bad_devices = sorted(devices - set(s.devices))
+    if bad_devices:
+        reasons.append(f"tensors on {', '.join(bad_devices)} (supported: {', '.join(s.devices)})")
+    if backend == "triton" and devices == {"cpu"} and "cpu" in s.devices and not inputs.get("forced"):
+        # The interpreter is a correctness tool, ~10^4 x slower than torch: only when asked for.
+        reasons.append("CPU tensors run through the Triton interpreter only when triton is forced")
+    dtypes = {t.dtype for t in tensors if t.is_floating_point()}
+    for dt in sorted(dtypes - set(s.dtypes), key=str):
+        reasons.append(f"dtype {_dtype_name(dt)} (supported: {', '.join(map(_dtype_name, s.dtypes))})")
+    head_dim = inputs.get("head_dim")
+    if s.head_dims is not None and head_dim is not None and head_dim not in s.head_dims:
+        reasons.append(f"head_dim {head_dim} (supported: {', '.join(map(str, s.head_dims))})")
+    if inputs.get("dropout_p", 0.0) > 0 and not s.dropout:
+        reasons.append(f"dropout_p={inputs['dropout_p']} (this backend has no dropout)")
+    if inputs.get("need_weights") and not s.probabilities:
+        reasons.append("output_attentions needs the attention probabilities, which this backend never materializes")
+    if impl.extra_reasons is not None:
+        reasons.extend(impl.extra_reasons(inputs))
+    return reasons
+
+
+# --------------------------------------------------------------------------------------------------
+# Overrides: environment variables and a thread-local stack of use_backend(...) contexts.
+
+_local = threading.local()
+
+
+def _override_stack() -> list[tuple[str, str | None]]:
+    if not hasattr(_local, "stack"):
+        _local.stack = []
+    return _local.stack
+
+
+def _check_backend_name(name: str, where: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"{where}: unknown backend {name!r} (known: {', '.join(BACKENDS)})")
+    return name
+
+
+@contextlib.contextmanager
+def use_backend(backend: str, op: str | None = None):
+    """Force `backend` for every op, or for `op` only, inside the block (this thread)."""
+    _check_backend_name(backend, "use_backend")
+    if op is not None and op not in OPS:
+        raise ValueError(f"use_backend: unknown op {op!r} (known: {', '.join(OPS)})")
+    stack = _override_stack()
+    stack.append((backend, op))
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def forced_backend(op: str) -> tuple[str, str] | None:
+    """(backend, where it was forced) for `op`, innermost context first, then environment."""
+    for backend, only in reversed(_override_stack()):
+        if only is None or only == op:
+            return backend, "use_backend()"
+    for var in (f"FASTBERT_BACKEND_{op.upper()}", "FASTBERT_BACKEND"):
+        value = os.environ.get(var)
+        if value:
+            return _check_backend_name(value.strip().lower(), var), var
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Records: which backend ran each call, for tests and for users who want to know.
+
+
+class Call(tuple):
+    """(op, backend), equal to a plain 2-tuple; `.skipped` maps each passed-over backend to its reasons."""
+
+    def __new__(cls, op: str, backend: str, skipped: dict[str, list[str]] | None = None):
+        self = super().__new__(cls, (op, backend))
+        self.skipped = skipped or {}
+        return self
+
+    @property
+    def op(self) -> str:
+        return self[0]
+
+    @property
+    def backend(self) -> str:
+        return self[1]
+
+
+_records_lock = threading.Lock()
+_active_records: list[list[Call]] = []
+
+
+@contextlib.contextmanager
+def record():
+    """Collect every op call (forward and backward, any thread) made inside the block."""
+    calls: list[Call] = []
+    with _records_lock:
+        _active_records.append(calls)
+    try:
+        yield calls
+    finally:
+        with _records_lock:
+            _active_records.remove(calls)
+
+
+def note(op: str, backend: str, skipped: dict[str, list[str]] | None = None) -> None:
+    """Record that `backend` ran `op` (backward passes note `op + '.backward'`)."""
+    if not _active_records or torch.compiler.is_compiling():
+        return
+    call = Call(op, backend, skipped)
+    with _records_lock:
+        for calls in _active_records:
+            calls.append(call)
+
+
+# --------------------------------------------------------------------------------------------------
+# Selection.
+
+_logged: set[tuple[str, str]] = set()
+
+
+def _log_fallback_once(op: str, skipped: dict[str, list[str]]) -> None:
+    text = "; ".join(f"{b}: {', '.join(r)}" for b, r in skipped.items())
+    if (op, text) in _logged or torch.compiler.is_compiling():
+        return
+    _logged.add((op, text))
+    logger.warning("fastbert: %s falls back to the reference (%s)", op, text)
+
+
+def select(op: str, inputs: dict) -> tuple[str, dict[str, list[str]]]:
+    """The backend that runs `op` on `inputs`, and the reasons of each backend passed over."""
+    forced = forced_backend(op)
+    if forced is not None:
+        backend, where = forced
+        reasons = not_supported_reasons(op, backend, {**inputs, "forced": True})
+        if reasons:
+            raise BackendUnavailable(
+                f"{op}: backend {backend!r} was forced ({where}) but cannot serve this call: " + "; ".join(reasons)
+            )
+        return backend, {}
+    skipped: dict[str, list[str]] = {}
+    for backend in BACKENDS:
+        reasons = not_supported_reasons(op, backend, inputs)
+        if not reasons:
+            # Backends that serve other devices are not a fallback worth telling anyone about.
+            devices = {t.device.type for t in inputs.get("tensors", ()) if t is not None}
+            relevant = {b: r for b, r in skipped.items() if _REGISTRY[op].get(b) and devices & set(_REGISTRY[op][b].support.devices)}
+            if backend == "reference" and relevant:
+                _log_fallback_once(op, relevant)
+            return backend, skipped
+        skipped[backend] = reasons
+    raise AssertionError("unreachable: the reference backend always qualifies")
+
+
+def call(op: str, inputs: dict, *args, **kwargs):
+    """Select a backend for `op`, run it, and record the choice."""
+    backend, skipped = select(op, inputs)
+    note(op, backend, skipped)
+    return _REGISTRY[op][backend].fn(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------------
+# Output allocation: kernels allocate here so tests can poison every output before it is written.
+
+_poison = threading.local()
+
+
+@contextlib.contextmanager
+def poison_outputs():
+    """Inside the block, kernel outputs start NaN-filled, so an element a kernel forgets fails."""
+    previous = getattr(_poison, "on", False)
+    _poison.on = True
+    try:
+        yield
+    finally:
+        _poison.on = previous
+
+
+def empty(*shape, dtype: torch.dtype, device) -> torch.Tensor:
+    out = torch.empty(*shape, dtype=dtype, device=device)
+    if getattr(_poison, "on", False) and out.is_floating_point():
+        out.fill_(float("nan"))
+    return out
+
+
+def empty_like(t: torch.Tensor) -> torch.Tensor:
+    return empty(t.shape, dtype=t.dtype, device=t.device)

@@ -1,0 +1,125 @@
+"""Hugging Face directories: load (safetensors first; .bin only with weights_only) and save.
+
+Parameter names are HF's, so a checkpoint maps onto a fastbert model by name alone: the only
+translations are the base-model prefix (`bert.`), which BertFor* checkpoints carry and BertModel ones
+don't, and the old TF-converted LayerNorm names (gamma / beta).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import torch
+
+from fastbert.config import BertConfig
+
+logger = logging.getLogger("fastbert")
+
+SAFETENSORS, SAFETENSORS_INDEX, PICKLE = "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"
+# Tensors a checkpoint may carry that no fastbert module owns and nobody needs to hear about.
+_SILENT = ("embeddings.position_ids", "embeddings.token_type_ids")
+
+
+def read_state_dict(directory: str) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors. Never unpickles arbitrary objects."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    def load_safetensors(path):
+        try:
+            return load_file(path)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ValueError(f"{path} is not a readable safetensors file (truncated or corrupted?): {e}") from None
+
+    path = os.path.join(directory, SAFETENSORS)
+    if os.path.isfile(path):
+        return load_safetensors(path)
+    path = os.path.join(directory, SAFETENSORS_INDEX)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        state: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            state.update(load_safetensors(os.path.join(directory, shard)))
+        return state
+    path = os.path.join(directory, PICKLE)
+    if os.path.isfile(path):
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # weights_only refuses anything but tensors and plain containers
+            raise ValueError(f"{path} was refused: it holds more than tensors (fastbert never unpickles code): {e}") from None
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise ValueError(f"{path} must hold a dict of tensors")
+        return state
+    raise FileNotFoundError(f"no weights in {directory}: expected {SAFETENSORS}, {SAFETENSORS_INDEX} or {PICKLE}")
+
+
+def _canonical(key: str) -> str:
+    if key.endswith("LayerNorm.gamma"):
+        return key[: -len("gamma")] + "weight"
+    if key.endswith("LayerNorm.beta"):
+        return key[: -len("beta")] + "bias"
+    return key
+
+
+def map_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], prefix: str = "bert."):
+    """Match checkpoint names to `model`'s: returns (mapped state, ignored checkpoint keys)."""
+    expected = model.state_dict()
+    mapped, ignored = {}, []
+    for key, value in state.items():
+        key = _canonical(key)
+        for candidate in (key, key[len(prefix):] if key.startswith(prefix) else None, prefix + key):
+            if candidate is not None and candidate in expected:
+                mapped[candidate] = value
+                break
+        else:
+            if not key.removeprefix(prefix) in _SILENT:
+                ignored.append(key)
+    return mapped, ignored
+
+
+def from_pretrained(cls, directory, dtype: torch.dtype | None = None, **kwargs):
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"{directory} is not a directory (fastbert loads local HF directories)")
+    config = BertConfig.from_pretrained(directory)
+    model = cls(config, **kwargs)
+    state = read_state_dict(directory)
+    mapped, ignored = map_state_dict(model, state)
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in mapped]
+    # Checkpoints saved from heads without a pooler (e.g. BertForMaskedLM) are common: HF starts
+    # that pooler fresh, and so does fastbert, saying so.
+    fresh_pooler = [k for k in missing if k.removeprefix("bert.").startswith("pooler.")]
+    missing = [k for k in missing if k not in fresh_pooler]
+    misshaped = [f"{k}: checkpoint {tuple(v.shape)}, model {tuple(expected[k].shape)}"
+                 for k, v in mapped.items() if v.shape != expected[k].shape]
+    problems = []
+    if missing:
+        problems.append("missing tensors: " + ", ".join(missing))
+    if misshaped:
+        problems.append("mis-shaped tensors: " + "; ".join(misshaped))
+    if problems:
+        raise ValueError(f"cannot load {directory} into {cls.__name__}: " + " | ".join(problems))
+    model.load_state_dict(mapped, strict=False)
+    if ignored:
+        logger.warning("fastbert: %s ignored %d checkpoint tensors it has no module for: %s",
+                       cls.__name__, len(ignored), ", ".join(ignored))
+    if fresh_pooler:
+        logger.warning("fastbert: %s has no pooler weights; the pooler is freshly initialized "
+                       "(pass add_pooling_layer=False to leave it out)", directory)
+    if dtype is not None:
+        model.to(dtype)
+    return model.eval()
+
+
+def save_pretrained(model: torch.nn.Module, directory) -> None:
+    """config.json + model.safetensors, in the layout transformers reads."""
+    from safetensors.torch import save_file
+
+    directory = os.fspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    model.config.save_pretrained(directory, architectures=[type(model).__name__])
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    save_file(state, os.path.join(directory, SAFETENSORS), metadata={"format": "pt"})

@@ -1,0 +1,271 @@
+"""The BERT encoder: HF's module tree and parameter names, every hot path through fastbert.ops.
+
+Which kernel runs is not this file's business (see dispatch.py). Shapes: B batch, S sequence,
+H hidden, heads x d = H, I intermediate.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from torch import nn
+
+from fastbert import ops
+from fastbert.config import BertConfig
+
+
+@dataclass
+class BertModelOutput:
+    """Like transformers' output: attributes, and indexing over the fields that are set (out[0], out[1])."""
+
+    last_hidden_state: torch.Tensor
+    pooler_output: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
+
+    def to_tuple(self) -> tuple:
+        return tuple(getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None)
+
+    def __getitem__(self, index):
+        if isinstance(index, str):
+            return getattr(self, index)
+        return self.to_tuple()[index]
+
+    def __iter__(self):
+        return iter(self.to_tuple())
+
+    def __len__(self):
+        return len(self.to_tuple())
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.register_buffer("position_ids", torch.arange(config.max_position_embeddings)[None], persistent=False)
+
+    def forward(self, input_ids, token_type_ids=None, position_ids=None):
+        s = input_ids.shape[1]
+        if position_ids is None:
+            position_ids = self.position_ids[:, :s]
+        words = self.word_embeddings(input_ids)  # [B, S, H]
+        if token_type_ids is None:
+            types = self.token_type_embeddings.weight[0]  # type 0 everywhere, without a gather
+        else:
+            types = self.token_type_embeddings(token_type_ids)
+        positions = self.position_embeddings(position_ids)  # [1 or B, S, H]
+        # LayerNorm(words + (positions + types)) through the fused residual+LayerNorm op.
+        x = ops.add_layer_norm(words, (positions + types).expand_as(words), self.LayerNorm.weight,
+                               self.LayerNorm.bias, self.LayerNorm.eps)
+        return self.dropout(x)
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.num_attention_heads = config.num_attention_heads
+        self.query = nn.Linear(config.hidden_size, config.hidden_size)
+        self.key = nn.Linear(config.hidden_size, config.hidden_size)
+        self.value = nn.Linear(config.hidden_size, config.hidden_size)
+        self.dropout_p = config.attention_probs_dropout_prob
+
+    def forward(self, x, attention_mask=None, need_weights=False):
+        b, s, h = x.shape
+        weight = torch.cat([self.query.weight, self.key.weight, self.value.weight])  # [3H, H]
+        bias = torch.cat([self.query.bias, self.key.bias, self.value.bias])  # [3H]
+        q, k, v = ops.qkv_projection(x, weight, bias, self.num_attention_heads)  # 3 x [B, heads, S, d]
+        p = self.dropout_p if self.training else 0.0
+        out = ops.attention(q, k, v, attention_mask, dropout_p=p, need_weights=need_weights)
+        context, probs = out if need_weights else (out, None)
+        return context.transpose(1, 2).reshape(b, s, h), probs  # [B, S, H], [B, heads, S, S] or None
+
+
+class BertSelfOutput(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout_p = config.hidden_dropout_prob
+
+    def forward(self, hidden, residual):
+        y = ops.dense(hidden, self.dense.weight, self.dense.bias)
+        p = self.dropout_p if self.training else 0.0
+        return ops.add_layer_norm(y, residual, self.LayerNorm.weight, self.LayerNorm.bias, self.LayerNorm.eps, p)
+
+
+class BertAttention(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.self = BertSelfAttention(config)
+        self.output = BertSelfOutput(config)
+
+    def forward(self, x, attention_mask=None, need_weights=False):
+        context, probs = self.self(x, attention_mask, need_weights)
+        return self.output(context, x), probs
+
+
+class BertIntermediate(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.activation = "gelu" if config.gelu_approximate == "none" else "gelu_tanh"
+
+    def forward(self, x):
+        return ops.dense(x, self.dense.weight, self.dense.bias, activation=self.activation)  # [B, S, I]
+
+
+class BertOutput(BertSelfOutput):
+    def __init__(self, config: BertConfig):
+        super().__init__(config)
+        self.dense = nn.Linear(config.intermediate_size, config.hidden_size)
+
+
+class BertLayer(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.attention = BertAttention(config)
+        self.intermediate = BertIntermediate(config)
+        self.output = BertOutput(config)
+
+    def forward(self, x, attention_mask=None, need_weights=False):
+        x, probs = self.attention(x, attention_mask, need_weights)
+        return self.output(self.intermediate(x), x), probs
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
+
+    def forward(self, x, attention_mask=None, output_hidden_states=False, output_attentions=False):
+        hidden_states, attentions = [x] if output_hidden_states else None, [] if output_attentions else None
+        for layer in self.layer:
+            x, probs = layer(x, attention_mask, output_attentions)
+            if output_hidden_states:
+                hidden_states.append(x)
+            if output_attentions:
+                attentions.append(probs)
+        return x, hidden_states, attentions
+
+
+class BertPooler(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, x):
+        return torch.tanh(ops.dense(x[:, 0], self.dense.weight, self.dense.bias))  # [B, H]
+
+
+class BertPreTrainedModel(nn.Module):
+    """Weight init as HF does it, and loading / saving HF directories (fastbert/hf.py)."""
+
+    config_class = BertConfig
+    base_model_prefix = "bert"
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        if not isinstance(config, BertConfig):
+            raise TypeError(f"config must be a fastbert.BertConfig, got {type(config).__name__}")
+        config.validate()
+        self.config = config
+
+    def init_weights(self) -> None:
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, std=std)
+                if module.padding_idx is not None:
+                    with torch.no_grad():
+                        module.weight[module.padding_idx].zero_()
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+
+    @classmethod
+    def from_pretrained(cls, directory, dtype: torch.dtype | None = None, **kwargs):
+        from fastbert import hf
+
+        return hf.from_pretrained(cls, directory, dtype=dtype, **kwargs)
+
+    def save_pretrained(self, directory) -> None:
+        from fastbert import hf
+
+        hf.save_pretrained(self, directory)
+
+
+class BertModel(BertPreTrainedModel):
+    base_model_prefix = ""
+
+    def __init__(self, config: BertConfig, add_pooling_layer: bool = True):
+        super().__init__(config)
+        self.embeddings = BertEmbeddings(config)
+        self.encoder = BertEncoder(config)
+        self.pooler = BertPooler(config) if add_pooling_layer else None
+        self.init_weights()
+
+    def check_inputs(self, input_ids, attention_mask, token_type_ids, position_ids) -> None:
+        """Clear errors before any compute. Value checks (ids in range) run eagerly, not under compile."""
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be 2-D [batch, seq], got shape {tuple(input_ids.shape)}")
+        if input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"input_ids must be int64 or int32 token ids, got dtype {input_ids.dtype}")
+        b, s = input_ids.shape
+        if s == 0 or b == 0:
+            raise ValueError(f"input_ids is empty: shape {tuple(input_ids.shape)}")
+        cfg = self.config
+        if s > cfg.max_position_embeddings:
+            raise ValueError(f"sequence length {s} exceeds max_position_embeddings ({cfg.max_position_embeddings})")
+        for name, t in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids), ("position_ids", position_ids)):
+            if t is None:
+                continue
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            allowed = {(b, s)} | ({(1, s)} if name == "position_ids" else set())
+            if tuple(t.shape) not in allowed:
+                raise ValueError(f"{name} must have the shape of input_ids {(b, s)}, got {tuple(t.shape)}")
+            if t.device != input_ids.device:
+                raise ValueError(f"{name} is on {t.device} but input_ids is on {input_ids.device}")
+            if name != "attention_mask" and t.dtype not in (torch.int64, torch.int32):
+                raise ValueError(f"{name} must be int64 or int32, got dtype {t.dtype}")
+            if name == "attention_mask" and t.is_complex():
+                raise ValueError(f"attention_mask must be bool, integer or float 0/1, got dtype {t.dtype}")
+        if torch.compiler.is_compiling():
+            return
+        limits = (("input_ids", input_ids, cfg.vocab_size, "vocab_size"),
+                  ("token_type_ids", token_type_ids, cfg.type_vocab_size, "type_vocab_size"),
+                  ("position_ids", position_ids, cfg.max_position_embeddings, "max_position_embeddings"))
+        for name, t, limit, field_name in limits:
+            if t is not None:
+                lo, hi = int(t.min()), int(t.max())
+                if lo < 0 or hi >= limit:
+                    raise ValueError(f"{name} must lie in [0, {field_name}={limit}), got values from {lo} to {hi}")
+        if attention_mask is not None and attention_mask.dtype != torch.bool:
+            if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+                raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
+                output_hidden_states: bool = False, output_attentions: bool = False, return_dict: bool = True):
+        self.check_inputs(input_ids, attention_mask, token_type_ids, position_ids)
+        if attention_mask is not None:
+            attention_mask = attention_mask.bool()  # [B, S], True = token
+        x = self.embeddings(input_ids, token_type_ids, position_ids)  # [B, S, H]
+        x, hidden_states, attentions = self.encoder(x, attention_mask, output_hidden_states, output_attentions)
+        pooled = self.pooler(x) if self.pooler is not None else None
+        out = BertModelOutput(
+            last_hidden_state=x,
+            pooler_output=pooled,
+            hidden_states=tuple(hidden_states) if hidden_states is not None else None,
+            attentions=tuple(attentions) if attentions is not None else None,
+        )
+        return out if return_dict else out.to_tuple()

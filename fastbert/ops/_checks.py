@@ -1,0 +1,40 @@
+"""Input checks shared by the ops: every error names the argument and what was expected."""
+from __future__ import annotations
+
+import torch
+
+
+def tensor(name: str, t, ndims: tuple[int, ...], floating: bool = True) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() not in ndims:
+        want = " or ".join(f"{n}-D" for n in ndims)
+        raise ValueError(f"{name} must be {want}, got shape {tuple(t.shape)}")
+    if floating and not t.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    return t
+
+
+def same_dtype_device(**tensors) -> None:
+    named = [(n, t) for n, t in tensors.items() if t is not None]
+    first_name, first = named[0]
+    for name, t in named[1:]:
+        if t.device != first.device:
+            raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}")
+        if t.is_floating_point() and t.dtype != first.dtype:
+            raise ValueError(f"{name} has dtype {t.dtype} but {first_name} has dtype {first.dtype}")
+
+
+def same_device(name: str, t, other_name: str, other) -> None:
+    if t.device != other.device:
+        raise ValueError(f"{name} is on {t.device} but {other_name} is on {other.device}")
+
+
+def shape(name: str, t, expected: tuple[int, ...], what: str) -> None:
+    if tuple(t.shape) != tuple(expected):
+        raise ValueError(f"{name} must have shape {tuple(expected)} ({what}), got {tuple(t.shape)}")
+
+
+def probability(name: str, p: float) -> None:
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {p}")

@@ -1,0 +1,82 @@
+"""The naive ops: ground truth for every parity test and the fallback at run time.
+
+Each is what a tutorial would write, in plain PyTorch, differentiable by autograd. Tests run them on
+float64 copies of the inputs to get the truth; dispatch runs them in the input dtype when no kernel
+can serve a call.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+ACTIVATIONS = ("none", "gelu", "gelu_tanh")
+
+
+def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    if approximate == "tanh":
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+    return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
+
+
+def bias_gelu(x, bias, approximate="none"):
+    return gelu(x + bias, approximate)
+
+
+def dense(x, weight, bias=None, activation="none"):
+    y = x @ weight.t()
+    if bias is not None:
+        y = y + bias
+    if activation == "gelu":
+        y = gelu(y)
+    elif activation == "gelu_tanh":
+        y = gelu(y, "tanh")
+    return y
+
+
+def qkv_projection(x, weight, bias, num_heads):
+    qkv = dense(x, weight, bias)  # [..., 3 * hidden]
+    head_dim = weight.shape[0] // 3 // num_heads
+    if x.dim() == 3:  # [B, S, 3H] -> 3 x [B, heads, S, d]
+        b, s, _ = qkv.shape
+        return tuple(t.reshape(b, s, num_heads, head_dim).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
+    return tuple(t.reshape(-1, num_heads, head_dim) for t in qkv.chunk(3, dim=-1))  # 3 x [T, heads, d]
+
+
+def softmax(scores):
+    e = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+    return e / e.sum(dim=-1, keepdim=True)
+
+
+def attention(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, need_weights=False):
+    """q, k, v: [B, heads, S, d]; attention_mask: [B, S] with 1 = keep. Returns [B, heads, S, d]
+    (and the probabilities [B, heads, S, S] if need_weights). A query row with no kept key gives zeros."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q @ k.transpose(-1, -2)) * scale  # [B, heads, S, S]
+    if attention_mask is not None:
+        keep = attention_mask.bool()[:, None, None, :]  # [B, 1, 1, S]
+        # A finite fill (not -inf) keeps a row with no kept key finite, and its gradient too.
+        scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
+        probs = softmax(scores) * keep.any(dim=-1, keepdim=True)
+    else:
+        probs = softmax(scores)
+    dropped = torch.nn.functional.dropout(probs, dropout_p) if dropout_p > 0 else probs
+    out = dropped @ v
+    return (out, probs) if need_weights else out
+
+
+def varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, scale=None):
+    """q, k, v: [T, heads, d] packed; sequence i holds tokens cu_seqlens[i]:cu_seqlens[i+1]."""
+    outs = []
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        qi, ki, vi = (t[start:end].transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, s, d]
+        outs.append(attention(qi, ki, vi, None, dropout_p, scale)[0].transpose(0, 1))  # [s, heads, d]
+    return torch.cat(outs, dim=0) if outs else torch.empty_like(q)
+
+
+def add_layer_norm(x, residual, weight, bias, eps, dropout_p=0.0):
+    h = (torch.nn.functional.dropout(x, dropout_p) if dropout_p > 0 else x) + residual
+    mean = h.mean(dim=-1, keepdim=True)
+    var = ((h - mean) ** 2).mean(dim=-1, keepdim=True)
+    return (h - mean) / torch.sqrt(var + eps) * weight + bias

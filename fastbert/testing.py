@@ -1,0 +1,99 @@
+"""The one tolerance table, and the assertions every parity test uses.
+
+rel err = ||out - ref|| / ||ref||, with `ref` computed in float64 on upcast inputs. A kernel must be
+within the table's bound for its dtype and, where the same-dtype naive computation is given, within
+2x that computation's own error (plus a small floor), so a kernel is never allowed to be much worse
+than plain PyTorch. NaN never passes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fastbert.dispatch import poison_outputs  # noqa: F401  (re-exported for tests)
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    elementwise: float  # forward of elementwise / normalization ops
+    matmul: float  # forward of attention and GEMMs
+    grad: float  # every gradient
+
+
+TOLERANCES = {
+    torch.float32: Tolerance(elementwise=1e-5, matmul=1e-4, grad=1e-4),
+    torch.float16: Tolerance(elementwise=2e-3, matmul=2e-3, grad=1e-2),
+    torch.bfloat16: Tolerance(elementwise=1e-2, matmul=1e-2, grad=2e-2),
+}
+KINDS = ("elementwise", "matmul", "grad")
+NAIVE_FACTOR = 2.0  # a kernel may be at most this much worse than same-dtype PyTorch ...
+NAIVE_FLOOR = 0.05  # ... plus this fraction of the table's bound (rounding noise on tiny errors)
+
+
+def tolerance(dtype: torch.dtype, kind: str) -> float:
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    return getattr(TOLERANCES[dtype], kind)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-300))
+
+
+def _where(out: torch.Tensor, ref: torch.Tensor, tol: float) -> str:
+    diff = (out.double() - ref.double()).abs()
+    diff = torch.nan_to_num(diff, nan=float("inf"))
+    idx = torch.unravel_index(diff.argmax(), diff.shape) if diff.dim() else ()
+    idx = tuple(int(i) for i in idx)
+    # An element "fails" when it is off by more than tol relative to the tensor's RMS.
+    rms = float(ref.double().pow(2).mean().sqrt()) if ref.numel() else 0.0
+    failing = int((diff > tol * max(rms, 1e-30)).sum())
+    return (f"largest difference {float(diff.max()):.3g} at index {idx} "
+            f"(out {float(out[idx]) if idx or not out.dim() else float(out):.6g}, ref {float(ref[idx]):.6g}); "
+            f"{failing} of {diff.numel()} elements off by more than {tol:g} x RMS(ref)")
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, kind: str,
+                 naive: torch.Tensor | None = None, name: str = "output") -> float:
+    """Assert `out` (computed in `dtype`) matches the float64 `ref`; returns the rel err.
+
+    `naive`, if given, is the same quantity from plain PyTorch in `dtype`: `out` may be at most
+    NAIVE_FACTOR x its error (+ NAIVE_FLOOR x the bound).
+    """
+    assert isinstance(out, torch.Tensor), f"{name}: expected a tensor, got {type(out).__name__}"
+    assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
+    tol = tolerance(dtype, kind)
+    if not bool(torch.isfinite(out).all()):
+        bad = int((~torch.isfinite(out)).sum())
+        raise AssertionError(f"{name}: {bad} non-finite elements (NaN/inf) of {out.numel()}; " + _where(out, ref, tol))
+    err = rel_err(out, ref)
+    if err > tol:
+        raise AssertionError(f"{name}: rel err {err:.3g} > {tol:g} ({dtype}, {kind}); " + _where(out, ref, tol))
+    if naive is not None:
+        naive_err = rel_err(naive, ref)
+        bound = NAIVE_FACTOR * naive_err + NAIVE_FLOOR * tol
+        if err > bound:
+            raise AssertionError(
+                f"{name}: rel err {err:.3g} is worse than {NAIVE_FACTOR:g} x same-dtype PyTorch's {naive_err:.3g} "
+                f"(+{NAIVE_FLOOR:g} x {tol:g}); " + _where(out, ref, tol)
+            )
+    return err
+
+
+def assert_ran(calls, op: str, backend: str) -> None:
+    """Assert `backend` ran `op` inside a `fastbert.dispatch.record()` block (and nothing else ran it)."""
+    ran = [c[1] for c in calls if c[0] == op]
+    assert ran, f"{op} never ran (calls: {list(calls)})"
+    assert set(ran) == {backend}, f"{op} ran on {sorted(set(ran))}, expected only {backend!r}"
+
+
+def upcast(*tensors):
+    """float64 leaf copies (requiring grad where the original does) for the ground-truth reference."""
+    out = []
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            t = t.detach().double().requires_grad_(t.requires_grad)
+        out.append(t)
+    return out
