@@ -21,3 +21,53 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") ->
 
 
 dispatch.register("bias_gelu", "reference", dispatch.Support(("cpu", "cuda"), dispatch.FLOATS))(reference.bias_gelu)
+
+
+# ---------------------------------------------------------------------------------------- cpu (C++)
+
+
+@torch.library.custom_op("fastbert::bias_gelu_cpu", mutates_args=())
+def _cpu_forward(x: torch.Tensor, bias: torch.Tensor, tanh: bool) -> torch.Tensor:
+    x = x.contiguous()
+    out = dispatch.empty(x.shape, dtype=x.dtype, device=x.device)
+    torch.ops.fastbert_C.bias_gelu_fwd(x, bias.contiguous(), tanh, out)
+    return out
+
+
+@torch.library.custom_op("fastbert::bias_gelu_cpu_backward", mutates_args=())
+def _cpu_backward(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, tanh: bool) -> torch.Tensor:
+    x = x.contiguous()
+    grad_x = dispatch.empty(x.shape, dtype=x.dtype, device=x.device)
+    torch.ops.fastbert_C.bias_gelu_bwd(grad.contiguous(), x, bias.contiguous(), tanh, grad_x)
+    return grad_x
+
+
+@_cpu_forward.register_fake
+def _(x, bias, tanh):
+    return x.new_empty(x.shape)
+
+
+@_cpu_backward.register_fake
+def _(grad, x, bias, tanh):
+    return x.new_empty(x.shape)
+
+
+def _cpu_setup_context(ctx, inputs, output):
+    x, bias, tanh = inputs
+    ctx.save_for_backward(x, bias)
+    ctx.tanh = tanh
+
+
+def _cpu_autograd(ctx, grad):
+    dispatch.note("bias_gelu.backward", "cpu")
+    x, bias = ctx.saved_tensors
+    grad_x = _cpu_backward(grad, x, bias, ctx.tanh)
+    return grad_x, grad_x.reshape(-1, bias.shape[0]).sum(0), None
+
+
+_cpu_forward.register_autograd(_cpu_autograd, setup_context=_cpu_setup_context)
+
+
+@dispatch.register("bias_gelu", "cpu", dispatch.Support(("cpu",), (torch.float32, torch.bfloat16)))
+def _cpu(x, bias, approximate):
+    return _cpu_forward(x, bias, approximate == "tanh")

@@ -1,0 +1,121 @@
+// bias_gelu on CPU: y = gelu(x + bias), exact (erf) or tanh form, and its backward.
+// Vectorized over the hidden dimension in fp32 (float and bfloat16 storage), threaded over rows.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "vec.h"
+
+namespace fastbert {
+namespace {
+
+constexpr float kInvSqrt2 = 0.70710678118654752f;
+constexpr float kInvSqrt2Pi = 0.39894228040143268f;
+constexpr float kTanhScale = 0.79788456080286536f;  // sqrt(2 / pi)
+constexpr float kTanhCubic = 0.044715f;
+
+inline VecF gelu(const VecF& x, bool tanh_form) {
+  const VecF half(0.5f), one(1.f);
+  if (tanh_form) {
+    VecF inner = VecF(kTanhScale) * (x + VecF(kTanhCubic) * x * x * x);
+    return half * x * (one + inner.tanh());
+  }
+  return half * x * (one + (x * VecF(kInvSqrt2)).erf());
+}
+
+// d gelu(x) / dx
+inline VecF gelu_grad(const VecF& x, bool tanh_form) {
+  const VecF half(0.5f), one(1.f);
+  if (tanh_form) {
+    VecF x2 = x * x;
+    VecF t = (VecF(kTanhScale) * (x + VecF(kTanhCubic) * x2 * x)).tanh();
+    VecF dinner = VecF(kTanhScale) * (one + VecF(3.f * kTanhCubic) * x2);
+    return half * (one + t) + half * x * (one - t * t) * dinner;
+  }
+  VecF cdf = half * (one + (x * VecF(kInvSqrt2)).erf());
+  VecF pdf = VecF(kInvSqrt2Pi) * (VecF(-0.5f) * x * x).exp();
+  return cdf + x * pdf;
+}
+
+// Rows of `n` elements; grain so a thread gets at least ~32K elements.
+template <typename F>
+void for_rows(int64_t rows, int64_t n, const F& f) {
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) f(r);
+  });
+}
+
+template <typename T>
+void forward(const T* x, const T* bias, T* out, int64_t rows, int64_t n, bool tanh_form) {
+  for_rows(rows, n, [&](int64_t r) {
+    const T* xr = x + r * n;
+    T* yr = out + r * n;
+    for (int64_t j = 0; j < n; j += kBlock) {
+      const int64_t m = std::min(kBlock, n - j);
+      VecF x0, x1, b0, b1;
+      load2(xr + j, m, x0, x1);
+      load2(bias + j, m, b0, b1);
+      store2(yr + j, m, gelu(x0 + b0, tanh_form), gelu(x1 + b1, tanh_form));
+    }
+  });
+}
+
+template <typename T>
+void backward(const T* grad, const T* x, const T* bias, T* grad_x, int64_t rows, int64_t n, bool tanh_form) {
+  for_rows(rows, n, [&](int64_t r) {
+    const int64_t o = r * n;
+    for (int64_t j = 0; j < n; j += kBlock) {
+      const int64_t m = std::min(kBlock, n - j);
+      VecF g0, g1, x0, x1, b0, b1;
+      load2(grad + o + j, m, g0, g1);
+      load2(x + o + j, m, x0, x1);
+      load2(bias + j, m, b0, b1);
+      store2(grad_x + o + j, m, g0 * gelu_grad(x0 + b0, tanh_form), g1 * gelu_grad(x1 + b1, tanh_form));
+    }
+  });
+}
+
+void check(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& out) {
+  TORCH_CHECK(x.is_contiguous() && bias.is_contiguous() && out.is_contiguous(), "bias_gelu: tensors must be contiguous");
+  TORCH_CHECK(x.dim() >= 1 && bias.dim() == 1 && bias.size(0) == x.size(-1), "bias_gelu: bias must be [x.size(-1)]");
+  TORCH_CHECK(out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type(), "bias_gelu: out must match x");
+  TORCH_CHECK(x.scalar_type() == bias.scalar_type(), "bias_gelu: x and bias dtypes differ");
+}
+
+void bias_gelu_fwd(const at::Tensor& x, const at::Tensor& bias, bool tanh_form, const at::Tensor& out) {
+  check(x, bias, out);
+  const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
+  if (x.scalar_type() == at::kFloat) {
+    forward(x.data_ptr<float>(), bias.data_ptr<float>(), out.data_ptr<float>(), rows, n, tanh_form);
+  } else if (x.scalar_type() == at::kBFloat16) {
+    forward(x.data_ptr<at::BFloat16>(), bias.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), rows, n, tanh_form);
+  } else {
+    TORCH_CHECK(false, "bias_gelu: dtype ", x.scalar_type(), " (supported: float32, bfloat16)");
+  }
+}
+
+void bias_gelu_bwd(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& bias, bool tanh_form,
+                   const at::Tensor& grad_x) {
+  check(x, bias, grad_x);
+  TORCH_CHECK(grad.is_contiguous() && grad.sizes() == x.sizes() && grad.scalar_type() == x.scalar_type(),
+              "bias_gelu: grad must match x");
+  const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
+  if (x.scalar_type() == at::kFloat) {
+    backward(grad.data_ptr<float>(), x.data_ptr<float>(), bias.data_ptr<float>(), grad_x.data_ptr<float>(), rows, n,
+             tanh_form);
+  } else if (x.scalar_type() == at::kBFloat16) {
+    backward(grad.data_ptr<at::BFloat16>(), x.data_ptr<at::BFloat16>(), bias.data_ptr<at::BFloat16>(),
+             grad_x.data_ptr<at::BFloat16>(), rows, n, tanh_form);
+  } else {
+    TORCH_CHECK(false, "bias_gelu: dtype ", x.scalar_type(), " (supported: float32, bfloat16)");
+  }
+}
+
+}  // namespace
+}  // namespace fastbert
+
+TORCH_LIBRARY_IMPL(fastbert_C, CPU, m) {
+  m.impl("bias_gelu_fwd", &fastbert::bias_gelu_fwd);
+  m.impl("bias_gelu_bwd", &fastbert::bias_gelu_bwd);
+}

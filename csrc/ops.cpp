@@ -1,0 +1,31 @@
+// fastbert._C: the op schemas (namespace fastbert_C) and a tiny Python module that says how it was built.
+// Kernels register their implementations in their own files (TORCH_LIBRARY_IMPL); the Python side
+// (fastbert/ops/*.py) wraps them in custom ops with fake implementations and autograd.
+#include <Python.h>
+#include <torch/library.h>
+
+TORCH_LIBRARY(fastbert_C, m) {
+  // out-variants: Python allocates `out` (poisoned under test) and the kernel fills it.
+  m.def("bias_gelu_fwd(Tensor x, Tensor bias, bool tanh, Tensor(a!) out) -> ()");
+  m.def("bias_gelu_bwd(Tensor grad, Tensor x, Tensor bias, bool tanh, Tensor(a!) grad_x) -> ()");
+}
+
+static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", "fastbert's compiled kernels", -1, nullptr};
+
+PyMODINIT_FUNC PyInit__C(void) {
+  PyObject* m = PyModule_Create(&module);
+  if (m == nullptr) return nullptr;
+#ifdef FASTBERT_WITH_CUDA
+  PyModule_AddObject(m, "WITH_CUDA", Py_True);
+#else
+  PyModule_AddObject(m, "WITH_CUDA", Py_False);
+#endif
+#ifdef CPU_CAPABILITY
+#define FASTBERT_STR2(x) #x
+#define FASTBERT_STR(x) FASTBERT_STR2(x)
+  PyModule_AddStringConstant(m, "CPU_CAPABILITY", FASTBERT_STR(CPU_CAPABILITY));
+#else
+  PyModule_AddStringConstant(m, "CPU_CAPABILITY", "DEFAULT");
+#endif
+  return m;
+}

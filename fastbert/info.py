@@ -1,0 +1,56 @@
+"""`python -m fastbert info`: which backend can run which op on this machine, and why not."""
+from __future__ import annotations
+
+import platform
+
+import torch
+
+from fastbert import dispatch
+
+
+def _short(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}[dtype]
+
+
+def backend_cell(op: str, backend: str) -> str:
+    impl = dispatch.implementations(op).get(backend)
+    if impl is None:
+        return "not implemented"
+    reasons = dispatch.machine_reasons(backend)
+    if reasons:
+        return "unavailable"
+    s = impl.support
+    return f"yes ({'/'.join(s.devices)}; {' '.join(_short(d) for d in s.dtypes)})"
+
+
+def table() -> str:
+    header = ["op", *dispatch.BACKENDS]
+    rows = [[op, *(backend_cell(op, b) for b in dispatch.BACKENDS)] for op in dispatch.OPS]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
+
+
+def report() -> str:
+    import fastbert
+
+    lines = [
+        f"fastbert {fastbert.__version__} | torch {torch.__version__} | python {platform.python_version()} | "
+        f"{platform.machine()}, {torch.get_num_threads()} threads | CUDA GPU: "
+        + (torch.cuda.get_device_name() if torch.cuda.is_available() else "none"),
+        "",
+        table(),
+        "",
+        "Backends this machine cannot run, and why:",
+    ]
+    unavailable = [(b, dispatch.machine_reasons(b)) for b in dispatch.BACKENDS if dispatch.machine_reasons(b)]
+    lines += [f"  {b}: {'; '.join(r)}" for b, r in unavailable] or ["  (none)"]
+    try:
+        from fastbert import _C
+
+        lines.append(f"fastbert._C: built for CPU_CAPABILITY={_C.CPU_CAPABILITY}, CUDA={_C.WITH_CUDA}")
+    except Exception:
+        pass
+    lines.append("Priority (first that can serve a call wins): " + " > ".join(dispatch.BACKENDS))
+    lines.append("Force with FASTBERT_BACKEND=<backend>, FASTBERT_BACKEND_<OP>=<backend> or fastbert.use_backend(...).")
+    return "\n".join(lines)

@@ -1,0 +1,60 @@
+"""Builds fastbert._C from csrc/ with ninja, for the instruction set of the machine it builds on.
+
+at::vec::Vectorized compiles to scalar code unless the matching -m flags and CPU_CAPABILITY defines
+are set, so they are chosen here from /proc/cpuinfo (AVX512, else AVX2, else the portable default).
+CUDA kernels (csrc/cuda) are built only where torch is a CUDA build and a CUDA toolkit exists.
+FASTBERT_NO_EXTENSION=1 skips the build: `import fastbert` still works on the reference backend.
+"""
+import glob
+import os
+
+from setuptools import find_packages, setup
+
+AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
+AVX2 = ("avx2", "fma")
+
+
+def cpu_flags() -> list[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            have = set(f.read().split())
+    except OSError:
+        have = set()
+    if all(flag in have for flag in AVX512):
+        return ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
+                "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
+    if all(flag in have for flag in AVX2):
+        return ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    return []
+
+
+def extensions():
+    if os.environ.get("FASTBERT_NO_EXTENSION") == "1":
+        return [], {}
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+    ext = CppExtension(
+        "fastbert._C",
+        sources,
+        extra_compile_args={"cxx": ["-O3", "-fopenmp", "-DAT_PARALLEL_OPENMP=1", *cpu_flags()]},
+        extra_link_args=["-fopenmp"],
+    )
+    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
+
+
+ext_modules, cmdclass = extensions()
+
+setup(
+    name="fastbert",
+    version="0.1.0",
+    description="A BERT encoder for PyTorch on fused kernels, each proven against a naive reference",
+    python_requires=">=3.10",
+    packages=find_packages(include=["fastbert", "fastbert.*"]) + ["fastbert.kernels"],
+    # kernels/ installs as fastbert.kernels: a top-level `kernels` would clash with HF's package.
+    package_dir={"fastbert.kernels": "kernels"},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+    install_requires=["torch>=2.4", "safetensors"],
+    extras_require={"triton": ["triton>=3.0"], "hf": ["transformers", "tokenizers"]},
+)
