@@ -38,11 +38,12 @@ def tolerance(dtype: torch.dtype, kind: str) -> float:
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
+    out, ref = out.detach().double(), ref.detach().double()
     return float((out - ref).norm() / ref.norm().clamp_min(1e-300))
 
 
 def _where(out: torch.Tensor, ref: torch.Tensor, tol: float) -> str:
+    out, ref = out.detach(), ref.detach()
     diff = (out.double() - ref.double()).abs()
     diff = torch.nan_to_num(diff, nan=float("inf"))
     idx = torch.unravel_index(diff.argmax(), diff.shape) if diff.dim() else ()

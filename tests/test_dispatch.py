@@ -1,0 +1,125 @@
+"""The dispatch contract: reasons in words, fallback logged once, forced backends raise, records."""
+import logging
+
+import pytest
+import torch
+
+import fastbert
+from fastbert import dispatch, ops
+
+
+def test_reference_always_qualifies_and_reasons_are_words():
+    x = torch.randn(4, 8, dtype=torch.float64)
+    b = torch.randn(8, dtype=torch.float64)
+    with dispatch.record() as calls:
+        ops.bias_gelu(x, b)
+    assert calls == [("bias_gelu", "reference")]
+    skipped = calls[0].skipped
+    assert set(skipped) == {"cuda", "triton", "cpu"}
+    if not dispatch.machine_reasons("cpu"):
+        assert skipped["cpu"] == ["dtype float64 (supported: float32, bfloat16)"]
+    for reasons in skipped.values():
+        assert reasons and all(isinstance(r, str) and len(r) > 10 for r in reasons)
+
+
+def test_reason_lists_dtype_device_head_dim_and_probabilities():
+    impl_support = dispatch.Support(("cuda",), (torch.float16,), head_dims=(32, 64), dropout=False)
+    dispatch.register("attention", "cuda", impl_support)(lambda *a: None)
+    try:
+        q = torch.randn(1, 1, 2, 48)
+        reasons = dispatch.not_supported_reasons(
+            "attention", "cuda", {"tensors": (q,), "head_dim": 48, "dropout_p": 0.1, "need_weights": True})
+        if dispatch.machine_reasons("cuda"):
+            assert reasons == list(dispatch.machine_reasons("cuda"))
+        else:
+            text = " | ".join(reasons)
+            for words in ("tensors on cpu", "dtype float32", "head_dim 48", "dropout_p=0.1", "probabilities"):
+                assert words in text
+    finally:
+        dispatch._REGISTRY["attention"].pop("cuda")
+
+
+def test_fallback_logged_once_per_op_and_reason(caplog):
+    dispatch.register("dense", "cpu", dispatch.Support(("cpu",), (torch.bfloat16,)))(lambda *a: None)
+    try:
+        dispatch._logged.clear()
+        x, w = torch.randn(2, 4), torch.randn(3, 4)
+        with caplog.at_level(logging.WARNING, logger="fastbert"):
+            for _ in range(3):
+                ops.dense(x, w)
+        fallbacks = [r for r in caplog.records if "falls back" in r.getMessage()]
+        if dispatch.machine_reasons("cpu"):
+            assert len(fallbacks) == 1 and "fastbert._C was not built" in fallbacks[0].getMessage()
+        else:
+            assert len(fallbacks) == 1 and "dtype float32" in fallbacks[0].getMessage()
+    finally:
+        dispatch._REGISTRY["dense"].pop("cpu")
+
+
+def test_forced_backend_that_cannot_serve_raises_with_reasons():
+    x, b = torch.randn(3, 5), torch.randn(5)
+    with pytest.raises(fastbert.BackendUnavailable, match="bias_gelu: backend 'cuda' was forced"):
+        with fastbert.use_backend("cuda"):
+            ops.bias_gelu(x, b)
+    with pytest.raises(fastbert.BackendUnavailable, match="has no attention implementation|unavailable|not built|without CUDA|tensors on cpu"):
+        with fastbert.use_backend("cuda", op="attention"):
+            ops.attention(*(torch.randn(1, 1, 2, 8) for _ in range(3)))
+
+
+def test_use_backend_per_op_and_nesting():
+    x, b = torch.randn(3, 5), torch.randn(5)
+    with fastbert.use_backend("reference", op="bias_gelu"), dispatch.record() as calls:
+        ops.bias_gelu(x, b)
+        ops.add_layer_norm(x, x, b, b, 1e-5)
+    assert calls[0] == ("bias_gelu", "reference")
+    with fastbert.use_backend("cuda"), fastbert.use_backend("reference"), dispatch.record() as calls:
+        ops.bias_gelu(x, b)  # innermost wins
+    assert calls == [("bias_gelu", "reference")]
+    with pytest.raises(ValueError, match="unknown backend 'gpu'"):
+        with fastbert.use_backend("gpu"):
+            pass
+    with pytest.raises(ValueError, match="unknown op 'gelu'"):
+        with fastbert.use_backend("reference", op="gelu"):
+            pass
+
+
+def test_environment_overrides(monkeypatch):
+    x, b = torch.randn(3, 5), torch.randn(5)
+    monkeypatch.setenv("FASTBERT_BACKEND", "reference")
+    with dispatch.record() as calls:
+        ops.bias_gelu(x, b)
+    assert calls == [("bias_gelu", "reference")]
+    monkeypatch.setenv("FASTBERT_BACKEND_BIAS_GELU", "cuda")  # per-op beats all-ops
+    with pytest.raises(fastbert.BackendUnavailable, match="FASTBERT_BACKEND_BIAS_GELU"):
+        ops.bias_gelu(x, b)
+    monkeypatch.setenv("FASTBERT_BACKEND_BIAS_GELU", "nonsense")
+    with pytest.raises(ValueError, match="FASTBERT_BACKEND_BIAS_GELU: unknown backend 'nonsense'"):
+        ops.bias_gelu(x, b)
+
+
+def test_record_sees_forward_and_backward_of_the_same_backend():
+    backend = "cpu" if not dispatch.machine_reasons("cpu") else None
+    if backend is None:
+        pytest.skip("fastbert._C not built: " + "; ".join(dispatch.machine_reasons("cpu")))
+    x = torch.randn(4, 16, requires_grad=True)
+    b = torch.randn(16, requires_grad=True)
+    with dispatch.record() as calls:
+        ops.bias_gelu(x, b).sum().backward()
+    assert calls == [("bias_gelu", "cpu"), ("bias_gelu.backward", "cpu")]
+
+
+def test_records_nest_and_stop_at_exit():
+    x, b = torch.randn(3, 5, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
+    with dispatch.record() as outer:
+        ops.bias_gelu(x, b)
+        with dispatch.record() as inner:
+            ops.bias_gelu(x, b)
+    ops.bias_gelu(x, b)
+    assert len(outer) == 2 and len(inner) == 1
+
+
+def test_poison_outputs_fills_nan_only_inside_the_block():
+    with dispatch.poison_outputs():
+        assert torch.isnan(dispatch.empty(3, dtype=torch.float32, device="cpu")).all()
+    t = dispatch.empty(3, dtype=torch.float32, device="cpu").fill_(1.0)
+    assert torch.equal(t, torch.ones(3))

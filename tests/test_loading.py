@@ -1,0 +1,142 @@
+"""HF directories in and out: safetensors, weights-only .bin, BertFor* prefixes, clear errors."""
+import logging
+import os
+import pickle
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+import fastbert
+from fastbert.testing import rel_err
+from hf_twins import padded_batch
+
+SMALL = dict(vocab_size=120, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+def hf_saved(tmp_path, cls=transformers.BertModel, safe=True, **extra):
+    model = cls(transformers.BertConfig(**SMALL, **extra)).eval()
+    model.save_pretrained(tmp_path, safe_serialization=safe)
+    return model
+
+
+def encoder_of(hf_model):
+    return hf_model if isinstance(hf_model, transformers.BertModel) else hf_model.bert
+
+
+def assert_same_states(ours, hf_model):
+    ids, mask, types = padded_batch(SMALL["vocab_size"], [6, 2, 4])
+    a = ours(ids, attention_mask=mask, token_type_ids=types).last_hidden_state
+    b = encoder_of(hf_model)(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state
+    assert rel_err(a[mask.bool()], b[mask.bool()]) <= 1e-5
+
+
+def test_loads_hf_bert_model_safetensors(tmp_path):
+    hf = hf_saved(tmp_path)
+    assert os.path.exists(tmp_path / "model.safetensors")
+    ours = fastbert.BertModel.from_pretrained(tmp_path)
+    assert not ours.training
+    assert_same_states(ours, hf)
+    assert rel_err(ours(torch.tensor([[5, 6, 7]]))[1], hf(torch.tensor([[5, 6, 7]]))[1]) <= 1e-5
+
+
+def test_loads_weights_only_bin(tmp_path):
+    hf = transformers.BertModel(transformers.BertConfig(**SMALL)).eval()
+    hf.config.save_pretrained(tmp_path)
+    torch.save(hf.state_dict(), tmp_path / "pytorch_model.bin")
+    assert_same_states(fastbert.BertModel.from_pretrained(tmp_path), hf)
+
+
+def test_bert_for_masked_lm_checkpoint_prefix_and_ignored_heads(tmp_path, caplog):
+    hf = hf_saved(tmp_path, transformers.BertForMaskedLM)
+    with caplog.at_level(logging.WARNING, logger="fastbert"):
+        ours = fastbert.BertModel.from_pretrained(tmp_path)
+    assert_same_states(ours, hf)
+    messages = [r.getMessage() for r in caplog.records]
+    ignored = [m for m in messages if "ignored" in m]
+    assert len(ignored) == 1 and "\n" not in ignored[0]
+    assert "cls.predictions.transform.dense.weight" in ignored[0]
+    assert any("pooler is freshly initialized" in m for m in messages)  # MLM checkpoints have no pooler
+
+
+def test_sequence_classification_checkpoint_ignores_classifier(tmp_path, caplog):
+    hf = hf_saved(tmp_path, transformers.BertForSequenceClassification, num_labels=3)
+    with caplog.at_level(logging.WARNING, logger="fastbert"):
+        ours = fastbert.BertModel.from_pretrained(tmp_path)
+    assert_same_states(ours, hf)
+    ignored = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    assert len(ignored) == 1 and "classifier.weight" in ignored[0] and "classifier.bias" in ignored[0]
+    assert rel_err(ours.pooler.dense.weight, hf.bert.pooler.dense.weight) == 0
+
+
+def test_old_gamma_beta_names(tmp_path):
+    hf = hf_saved(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    renamed = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+               for k, v in state.items()}
+    save_file(renamed, tmp_path / "model.safetensors")
+    assert_same_states(fastbert.BertModel.from_pretrained(tmp_path), hf)
+
+
+def test_missing_and_misshaped_tensors_are_named(tmp_path):
+    hf_saved(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    del state["encoder.layer.1.output.dense.bias"]
+    state["embeddings.word_embeddings.weight"] = state["embeddings.word_embeddings.weight"][:-1]
+    save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError) as e:
+        fastbert.BertModel.from_pretrained(tmp_path)
+    text = str(e.value)
+    assert "missing tensors: encoder.layer.1.output.dense.bias" in text
+    assert "embeddings.word_embeddings.weight: checkpoint (119, 64), model (120, 64)" in text
+
+
+def test_truncated_safetensors_is_a_clear_error(tmp_path):
+    hf_saved(tmp_path)
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        fastbert.BertModel.from_pretrained(tmp_path)
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (os.system, (f"touch {_Exploit.marker}",))
+
+
+def test_pickled_code_in_bin_is_refused_and_never_runs(tmp_path):
+    transformers.BertConfig(**SMALL).save_pretrained(tmp_path)
+    _Exploit.marker = str(tmp_path / "pwned")
+    with open(tmp_path / "pytorch_model.bin", "wb") as f:
+        pickle.dump({"embeddings.word_embeddings.weight": _Exploit()}, f)
+    with pytest.raises(ValueError, match="refused"):
+        fastbert.BertModel.from_pretrained(tmp_path)
+    assert not os.path.exists(_Exploit.marker)
+
+
+def test_no_weights_and_not_a_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match="is not a directory"):
+        fastbert.BertModel.from_pretrained(tmp_path / "nope")
+    transformers.BertConfig(**SMALL).save_pretrained(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no weights in"):
+        fastbert.BertModel.from_pretrained(tmp_path)
+
+
+def test_save_pretrained_loads_in_transformers(tmp_path):
+    ours = fastbert.BertModel(fastbert.BertConfig(**SMALL)).eval()
+    ours.save_pretrained(tmp_path)
+    hf = transformers.BertModel.from_pretrained(tmp_path).eval()
+    assert_same_states(ours, hf)
+    again = fastbert.BertModel.from_pretrained(tmp_path)
+    for k, v in ours.state_dict().items():
+        assert torch.equal(v, again.state_dict()[k])
+
+
+def test_dtype_argument(tmp_path):
+    hf_saved(tmp_path)
+    ours = fastbert.BertModel.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in ours.parameters())
+    out = ours(torch.tensor([[3, 4, 5]]))[0]
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()

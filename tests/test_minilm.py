@@ -1,0 +1,40 @@
+"""The real checkpoint all-MiniLM-L6-v2, real sentences through its own tokenizer."""
+import pytest
+import torch
+import transformers
+
+import fastbert
+from fastbert.demo import SENTENCES, mean_pool, minilm_dir
+
+
+@pytest.fixture(scope="module")
+def models():
+    path = minilm_dir()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    return tokenizer, fastbert.BertModel.from_pretrained(path), transformers.BertModel.from_pretrained(path).eval()
+
+
+def test_token_states_and_sentence_embeddings_match_transformers(models):
+    tokenizer, ours, theirs = models
+    batch = tokenizer(SENTENCES, padding=True, return_tensors="pt")
+    ids, mask, types = batch["input_ids"], batch["attention_mask"], batch["token_type_ids"]
+    assert int((mask == 0).sum()) > 0, "the batch should need padding"
+    with torch.no_grad():
+        a = ours(ids, attention_mask=mask, token_type_ids=types).last_hidden_state
+        b = theirs(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state
+    real = mask.bool()
+    token_cos = torch.nn.functional.cosine_similarity(a[real], b[real], dim=-1)
+    assert float(token_cos.min()) >= 0.99999
+    ea, eb = mean_pool(a, mask), mean_pool(b, mask)
+    assert float((ea * eb).sum(-1).min()) >= 0.99999
+    # The embeddings mean something: paraphrases score above unrelated pairs.
+    sim = ea @ ea.T
+    assert sim[0, 1] > sim[0, 2] + 0.3 and sim[2, 3] > sim[2, 4] + 0.2
+
+
+def test_demo_runs(capsys):
+    from fastbert.demo import run
+
+    run(repeats=2)
+    out = capsys.readouterr().out
+    assert "parity: cosine(fastbert, transformers)" in out and "speedup" in out

@@ -1,0 +1,102 @@
+"""BertModel gives transformers' numbers: outputs at real positions and every parameter gradient."""
+import pytest
+import torch
+
+import fastbert
+from fastbert.testing import rel_err
+from hf_twins import padded_batch, twins
+
+CONFIGS = {
+    "d32-1layer-gelu": dict(hidden_size=64, num_attention_heads=2, num_hidden_layers=1, intermediate_size=128, hidden_act="gelu"),
+    "d64-3layers-gelu_new": dict(hidden_size=128, num_attention_heads=2, num_hidden_layers=3, intermediate_size=256, hidden_act="gelu_new"),
+    "d32-3layers-tanh": dict(hidden_size=96, num_attention_heads=3, num_hidden_layers=3, intermediate_size=384, hidden_act="gelu_pytorch_tanh"),
+    "d64-1layer-gelu": dict(hidden_size=256, num_attention_heads=4, num_hidden_layers=1, intermediate_size=512, hidden_act="gelu"),
+}
+LENGTHS = [11, 6, 1, 9]  # unequal lengths in one batch, one single-token sequence
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_matches_transformers(name):
+    ours, theirs = twins(vocab_size=211, **CONFIGS[name])
+    ids, mask, types = padded_batch(211, LENGTHS)
+    a = ours(ids, attention_mask=mask, token_type_ids=types)
+    b = theirs(input_ids=ids, attention_mask=mask, token_type_ids=types)
+    real = mask.bool()
+    assert rel_err(a.last_hidden_state[real], b.last_hidden_state[real]) <= 1e-5
+    assert rel_err(a.pooler_output, b.pooler_output) <= 1e-5
+    assert torch.equal(a[0], a.last_hidden_state) and torch.equal(a[1], a.pooler_output)
+
+    # A loss over real positions only; every parameter's gradient must match.
+    w = torch.randn_like(a.last_hidden_state)
+    p = torch.randn_like(a.pooler_output)
+    loss_a = (a.last_hidden_state * w)[real].sum() + (a.pooler_output * p).sum()
+    loss_b = (b.last_hidden_state * w)[real].sum() + (b.pooler_output * p).sum()
+    loss_a.backward()
+    loss_b.backward()
+    theirs_params = dict(theirs.named_parameters())
+    # The key bias adds the same q.b_k to every score of a row, which softmax ignores: its true
+    # gradient is zero and both sides hold rounding noise. Such gradients must be noise-sized on both.
+    noise = 1e-6 * max(float(p.grad.norm()) for p in theirs.parameters())
+    for pname, param in ours.named_parameters():
+        ref = theirs_params[pname].grad
+        assert param.grad is not None, f"{pname}: no gradient"
+        if ref.norm() <= noise:
+            assert param.grad.norm() <= noise, f"{pname}: gradient should be ~0, norm {float(param.grad.norm()):.3g}"
+            continue
+        assert rel_err(param.grad, ref) <= 1e-4, f"{pname}: grad rel err {rel_err(param.grad, ref):.3g}"
+
+
+def test_hidden_states_and_attentions_match_transformers():
+    ours, theirs = twins(attn_implementation="eager", vocab_size=99, **CONFIGS["d32-3layers-tanh"])
+    ids, mask, types = padded_batch(99, [7, 3])
+    with fastbert.dispatch.record() as calls:
+        a = ours(ids, attention_mask=mask, output_hidden_states=True, output_attentions=True)
+    b = theirs(input_ids=ids, attention_mask=mask, output_hidden_states=True, output_attentions=True)
+    assert len(a.hidden_states) == len(b.hidden_states) == 4
+    assert len(a.attentions) == len(b.attentions) == 3
+    real = mask.bool()
+    for x, y in zip(a.hidden_states, b.hidden_states):
+        assert rel_err(x[real], y[real]) <= 1e-5
+    for x, y in zip(a.attentions, b.attentions):
+        keep = real[:, None, :, None]  # rows of real queries; probabilities over all keys
+        assert rel_err(x.masked_select(keep), y.masked_select(keep)) <= 1e-5
+    # output_attentions routed attention to a backend that materializes probabilities, and says why.
+    attention_calls = [c for c in calls if c.op == "attention"]
+    assert {c.backend for c in attention_calls} == {"reference"}
+    for c in attention_calls:
+        for backend, reasons in c.skipped.items():
+            if fastbert.dispatch.implementations("attention").get(backend) and not fastbert.dispatch.machine_reasons(backend):
+                assert any("probabilities" in r for r in reasons)
+    assert len(a) == 4 and a[2] is a.hidden_states and a[3] is a.attentions
+
+
+def test_state_dict_round_trip_strict_both_ways():
+    ours, theirs = twins(vocab_size=50, **CONFIGS["d32-1layer-gelu"])
+    assert list(ours.state_dict()) == list(theirs.state_dict())
+    fresh = fastbert.BertModel(ours.config)
+    fresh.load_state_dict(theirs.state_dict(), strict=True)
+    theirs.load_state_dict(fresh.state_dict(), strict=True)
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, theirs.state_dict()[k]), k
+
+
+def test_no_pooler_and_tuple_outputs():
+    cfg = fastbert.BertConfig.tiny(vocab_size=100)
+    model = fastbert.BertModel(cfg, add_pooling_layer=False).eval()
+    ids = torch.randint(0, 100, (2, 5))
+    out = model(ids)
+    assert out.pooler_output is None and len(out) == 1
+    t = model(ids, return_dict=False)
+    assert isinstance(t, tuple) and torch.equal(t[0], out.last_hidden_state)
+    assert not any(k.startswith("pooler") for k in model.state_dict())
+
+
+def test_training_mode_applies_dropout_eval_does_not():
+    cfg = fastbert.BertConfig.tiny(vocab_size=100)
+    model = fastbert.BertModel(cfg)
+    ids = torch.randint(0, 100, (2, 6))
+    model.eval()
+    e1, e2 = model(ids)[0], model(ids)[0]
+    assert torch.equal(e1, e2)
+    model.train()
+    assert not torch.equal(model(ids)[0], model(ids)[0])
