@@ -18,9 +18,13 @@ $(STAMP): requirements.txt requirements-models.txt $(VENV)/bin/python
 
 setup: $(STAMP) build
 
-# Builds fastbert._C (csrc/, ninja) in place; rerun after editing C++.
-build: $(STAMP)
+# Builds fastbert._C (csrc/, ninja) in place, again whenever a C++ source changes.
+BUILT := $(VENV)/.fastbert-built
+$(BUILT): $(STAMP) setup.py $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.h)
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	touch $(BUILT)
+
+build: $(BUILT)
 
 demo: setup
 	$(PY) -m fastbert demo
