@@ -72,11 +72,23 @@ class BertSelfAttention(nn.Module):
         self.key = nn.Linear(config.hidden_size, config.hidden_size)
         self.value = nn.Linear(config.hidden_size, config.hidden_size)
         self.dropout_p = config.attention_probs_dropout_prob
+        self._fused = None  # (parameter versions, [3H, H] weight, [3H] bias) for inference
+
+    def fused_qkv(self):
+        """Q, K, V weights stacked [3H, H] and biases [3H]; cached while no gradient is needed, so
+        kernels that prepack weights see the same tensor call after call."""
+        params = (self.query.weight, self.key.weight, self.value.weight, self.query.bias, self.key.bias, self.value.bias)
+        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(p.requires_grad for p in params)):
+            return torch.cat(params[:3]), torch.cat(params[3:])
+        key = tuple((-1 if p.is_inference() else p._version, p.data_ptr(), p.dtype, p.device) for p in params)
+        if self._fused is None or self._fused[0] != key:
+            with torch.no_grad():
+                self._fused = (key, torch.cat(params[:3]), torch.cat(params[3:]))
+        return self._fused[1], self._fused[2]
 
     def forward(self, x, attention_mask=None, need_weights=False):
         b, s, h = x.shape
-        weight = torch.cat([self.query.weight, self.key.weight, self.value.weight])  # [3H, H]
-        bias = torch.cat([self.query.bias, self.key.bias, self.value.bias])  # [3H]
+        weight, bias = self.fused_qkv()  # [3H, H], [3H]
         q, k, v = ops.qkv_projection(x, weight, bias, self.num_attention_heads)  # 3 x [B, heads, S, d]
         p = self.dropout_p if self.training else 0.0
         out = ops.attention(q, k, v, attention_mask, dropout_p=p, need_weights=need_weights)

@@ -123,7 +123,9 @@ def test_parity(spec, case, backend, dtype):
     with dispatch.use_backend(backend, op=spec.op), poison_outputs(), dispatch.record() as calls:
         outs, grads, grad_outs = _forward_backward(spec.public, args, kwargs)
     assert_ran([c for c in calls if c[0] == spec.op], spec.op, backend)
-    assert_ran([c for c in calls if c[0] == spec.op + ".backward"], spec.op + ".backward", backend)
+    # Backward runs on the forward's backend (a composite kernel may record its parts' backwards).
+    backwards = [c for c in calls if c[0].endswith(".backward")]
+    assert backwards and {c[1] for c in backwards} == {backend}, f"backward calls: {backwards}"
 
     truth_args = upcast(*args)
     truth_kwargs = {k: v for k, v in kwargs.items()}

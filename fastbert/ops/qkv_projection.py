@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from fastbert import dispatch
-from fastbert.ops import _checks, reference
+from fastbert.ops import _checks, _onednn, reference
+from fastbert.ops import dense as _dense  # noqa: F401  (registers fastbert::dense_cpu)
 
 
 def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int):
@@ -26,3 +27,18 @@ def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 dispatch.register("qkv_projection", "reference", dispatch.Support(("cpu", "cuda"), dispatch.FLOATS))(
     reference.qkv_projection
 )
+
+
+# ------------------------------------------------------------------------------ cpu (oneDNN GEMM)
+
+
+@dispatch.register("qkv_projection", "cpu", dispatch.Support(("cpu",), (torch.float32, torch.bfloat16)),
+                   extra_reasons=lambda inputs: _onednn.missing())
+def _cpu(x, weight, bias, num_heads):
+    qkv = torch.ops.fastbert.dense_cpu(x, weight, bias, "none")  # [..., 3H], one GEMM
+    head_dim = x.shape[-1] // num_heads
+    if x.dim() == 3:
+        b, s, _ = x.shape
+        # [B, S, 3, heads, d] -> 3 x [B, heads, S, d]: strided views; attention kernels read them in place.
+        return qkv.view(b, s, 3, num_heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+    return qkv.view(-1, 3, num_heads, head_dim).unbind(1)  # 3 x [T, heads, d]
