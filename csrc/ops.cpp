@@ -8,6 +8,11 @@ TORCH_LIBRARY(fastbert_C, m) {
   // out-variants: Python allocates `out` (poisoned under test) and the kernel fills it.
   m.def("bias_gelu_fwd(Tensor x, Tensor bias, bool tanh, Tensor(a!) out) -> ()");
   m.def("bias_gelu_bwd(Tensor grad, Tensor x, Tensor bias, bool tanh, Tensor(a!) grad_x) -> ()");
+  // mean and rstd: float32 [rows]; grad_weight and grad_bias: float32 [N].
+  m.def("add_layer_norm_fwd(Tensor x, Tensor residual, Tensor weight, Tensor bias, float eps, Tensor(a!) out, "
+        "Tensor(b!) mean, Tensor(c!) rstd) -> ()");
+  m.def("add_layer_norm_bwd(Tensor grad, Tensor x, Tensor residual, Tensor weight, Tensor mean, Tensor rstd, "
+        "Tensor(a!) grad_h, Tensor(b!) grad_weight, Tensor(c!) grad_bias) -> ()");
 }
 
 static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", "fastbert's compiled kernels", -1, nullptr};

@@ -44,4 +44,13 @@ inline void store2(c10::BFloat16* p, int64_t n, const VecF& a, const VecF& b) {
   if (n == kBlock) v.store(p); else v.store(p, n);
 }
 
+// Sum of all lanes (once per row: a plain loop is fine).
+inline float reduce_sum(const VecF& v) {
+  alignas(64) float lanes[kHalf];
+  v.store(lanes);
+  float s = 0.f;
+  for (int64_t i = 0; i < kHalf; ++i) s += lanes[i];
+  return s;
+}
+
 }  // namespace fastbert

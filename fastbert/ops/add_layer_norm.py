@@ -27,3 +27,64 @@ def add_layer_norm(x, residual, weight, bias, eps: float, dropout_p: float = 0.0
 dispatch.register("add_layer_norm", "reference", dispatch.Support(("cpu", "cuda"), dispatch.FLOATS))(
     reference.add_layer_norm
 )
+
+
+# ---------------------------------------------------------------------------------------- cpu (C++)
+
+
+@torch.library.custom_op("fastbert::add_layer_norm_cpu", mutates_args=())
+def _cpu_forward(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x, residual = x.contiguous(), residual.contiguous()
+    out = dispatch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rows = x.numel() // x.shape[-1]
+    mean = dispatch.empty(rows, dtype=torch.float32, device=x.device)
+    rstd = dispatch.empty(rows, dtype=torch.float32, device=x.device)
+    torch.ops.fastbert_C.add_layer_norm_fwd(x, residual, weight.contiguous(), bias.contiguous(), eps, out, mean, rstd)
+    return out, mean, rstd
+
+
+@torch.library.custom_op("fastbert::add_layer_norm_cpu_backward", mutates_args=())
+def _cpu_backward(grad: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                  mean: torch.Tensor, rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x = x.contiguous()
+    grad_h = dispatch.empty(x.shape, dtype=x.dtype, device=x.device)
+    grad_weight = dispatch.empty(x.shape[-1], dtype=torch.float32, device=x.device)
+    grad_bias = dispatch.empty(x.shape[-1], dtype=torch.float32, device=x.device)
+    torch.ops.fastbert_C.add_layer_norm_bwd(grad.contiguous(), x, residual.contiguous(), weight.contiguous(), mean,
+                                            rstd, grad_h, grad_weight, grad_bias)
+    return grad_h, grad_weight.to(weight.dtype), grad_bias.to(weight.dtype)
+
+
+@_cpu_forward.register_fake
+def _(x, residual, weight, bias, eps):
+    rows = x.numel() // x.shape[-1]
+    return x.new_empty(x.shape), x.new_empty(rows, dtype=torch.float32), x.new_empty(rows, dtype=torch.float32)
+
+
+@_cpu_backward.register_fake
+def _(grad, x, residual, weight, mean, rstd):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape)
+
+
+def _cpu_setup_context(ctx, inputs, output):
+    x, residual, weight, bias, eps = inputs
+    _, mean, rstd = output
+    ctx.save_for_backward(x, residual, weight, mean, rstd)
+
+
+def _cpu_autograd(ctx, grad, _grad_mean, _grad_rstd):
+    dispatch.note("add_layer_norm.backward", "cpu")
+    x, residual, weight, mean, rstd = ctx.saved_tensors
+    grad_h, grad_weight, grad_bias = _cpu_backward(grad, x, residual, weight, mean, rstd)
+    return grad_h, grad_h, grad_weight, grad_bias, None  # d(x + residual) reaches both
+
+
+_cpu_forward.register_autograd(_cpu_autograd, setup_context=_cpu_setup_context)
+
+
+@dispatch.register("add_layer_norm", "cpu", dispatch.Support(("cpu",), (torch.float32, torch.bfloat16)))
+def _cpu(x, residual, weight, bias, eps, dropout_p):
+    if dropout_p > 0:
+        x = torch.nn.functional.dropout(x, dropout_p)  # torch's dropout; the kernel fuses add + LayerNorm
+    return _cpu_forward(x, residual, weight, bias, eps)[0]
