@@ -13,6 +13,12 @@ TORCH_LIBRARY(fastbert_C, m) {
         "Tensor(b!) mean, Tensor(c!) rstd) -> ()");
   m.def("add_layer_norm_bwd(Tensor grad, Tensor x, Tensor residual, Tensor weight, Tensor mean, Tensor rstd, "
         "Tensor(a!) grad_h, Tensor(b!) grad_weight, Tensor(c!) grad_bias) -> ()");
+  // q, k, v: [B, heads, S, d] with key_mask bool [B, S], or [T, heads, d] with cu_seqlens [B + 1];
+  // any strides with a contiguous head dimension. lse: float32 [B, heads, S] or [heads, T].
+  m.def("attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? key_mask, Tensor? cu_seqlens, float scale, "
+        "Tensor(a!) out, Tensor(b!) lse) -> ()");
+  m.def("attention_bwd(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? key_mask, "
+        "Tensor? cu_seqlens, float scale, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv) -> ()");
 }
 
 static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", "fastbert's compiled kernels", -1, nullptr};

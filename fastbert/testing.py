@@ -27,8 +27,9 @@ TOLERANCES = {
     torch.bfloat16: Tolerance(elementwise=1e-2, matmul=1e-2, grad=2e-2),
 }
 KINDS = ("elementwise", "matmul", "grad")
+GRAD_FLOOR = 1e-2  # x the largest gradient norm of the same call: the floor for an all-zero true gradient
 NAIVE_FACTOR = 2.0  # a kernel may be at most this much worse than same-dtype PyTorch ...
-NAIVE_FLOOR = 0.05  # ... plus this fraction of the table's bound (rounding noise on tiny errors)
+NAIVE_FLOOR = 0.1  # ... plus this fraction of the table's bound (rounding noise on tiny errors)
 
 
 def tolerance(dtype: torch.dtype, kind: str) -> float:
@@ -37,9 +38,11 @@ def tolerance(dtype: torch.dtype, kind: str) -> float:
     return getattr(TOLERANCES[dtype], kind)
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+def rel_err(out: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float:
+    """||out - ref|| / max(||ref||, floor). `floor` matters only for a reference that is exactly zero in
+    exact arithmetic (e.g. the q gradient of attention over one key), where rounding noise is all there is."""
     out, ref = out.detach().double(), ref.detach().double()
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-300))
+    return float((out - ref).norm() / max(float(ref.norm()), floor, 1e-300))
 
 
 def _where(out: torch.Tensor, ref: torch.Tensor, tol: float) -> str:
@@ -57,7 +60,7 @@ def _where(out: torch.Tensor, ref: torch.Tensor, tol: float) -> str:
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, kind: str,
-                 naive: torch.Tensor | None = None, name: str = "output") -> float:
+                 naive: torch.Tensor | None = None, name: str = "output", floor: float = 0.0) -> float:
     """Assert `out` (computed in `dtype`) matches the float64 `ref`; returns the rel err.
 
     `naive`, if given, is the same quantity from plain PyTorch in `dtype`: `out` may be at most
@@ -69,11 +72,11 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, kind:
     if not bool(torch.isfinite(out).all()):
         bad = int((~torch.isfinite(out)).sum())
         raise AssertionError(f"{name}: {bad} non-finite elements (NaN/inf) of {out.numel()}; " + _where(out, ref, tol))
-    err = rel_err(out, ref)
+    err = rel_err(out, ref, floor)
     if err > tol:
         raise AssertionError(f"{name}: rel err {err:.3g} > {tol:g} ({dtype}, {kind}); " + _where(out, ref, tol))
     if naive is not None:
-        naive_err = rel_err(naive, ref)
+        naive_err = rel_err(naive, ref, floor)
         bound = NAIVE_FACTOR * naive_err + NAIVE_FLOOR * tol
         if err > bound:
             raise AssertionError(

@@ -5,12 +5,15 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import zlib  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def _seed(request):
-    # Fresh random inputs per test, reproducible per test id.
-    torch.manual_seed(abs(hash(request.node.nodeid)) % (2**31))
+    # Fresh random inputs per test, the same for a test id run to run (FASTBERT_TEST_SEED varies them).
+    salt = os.environ.get("FASTBERT_TEST_SEED", "")
+    torch.manual_seed(zlib.crc32((request.node.nodeid + salt).encode()))
     yield

@@ -61,3 +61,82 @@ dispatch.register("attention", "reference", dispatch.Support(("cpu", "cuda"), di
 dispatch.register("varlen_attention", "reference", dispatch.Support(("cpu", "cuda"), dispatch.FLOATS))(
     reference.varlen_attention
 )
+
+
+# ---------------------------------------------------------------------------------------- cpu (C++)
+
+
+def _head_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _empty_output(q: torch.Tensor) -> torch.Tensor:
+    """[B, heads, S, d] as a view of a [B, S, heads, d] buffer: the output projection reads it in place."""
+    if q.dim() == 4:
+        b, h, s, d = q.shape
+        return dispatch.empty((b, s, h, d), dtype=q.dtype, device=q.device).transpose(1, 2)
+    return dispatch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+def _lse_shape(q: torch.Tensor) -> tuple[int, ...]:
+    return tuple(q.shape[:3]) if q.dim() == 4 else (q.shape[1], q.shape[0])  # [B, heads, S] | [heads, T]
+
+
+@torch.library.custom_op("fastbert::attention_cpu", mutates_args=())
+def _cpu_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
+                 cu_seqlens: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k, v = (_head_dim_contiguous(t) for t in (q, k, v))
+    out = _empty_output(q)
+    lse = dispatch.empty(_lse_shape(q), dtype=torch.float32, device=q.device)
+    torch.ops.fastbert_C.attention_fwd(q, k, v, key_mask, cu_seqlens, scale, out, lse)
+    return out, lse
+
+
+@_cpu_forward.register_fake
+def _(q, k, v, key_mask, cu_seqlens, scale):
+    return torch.empty_like(q), q.new_empty(_lse_shape(q), dtype=torch.float32)
+
+
+@torch.library.custom_op("fastbert::attention_cpu_backward", mutates_args=())
+def _cpu_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                  lse: torch.Tensor, key_mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    grad, q, k, v, out = (_head_dim_contiguous(t) for t in (grad, q, k, v, out))
+    dq, dk, dv = _empty_output(q), _empty_output(q), _empty_output(q)
+    torch.ops.fastbert_C.attention_bwd(grad, q, k, v, out, lse, key_mask, cu_seqlens, scale, dq, dk, dv)
+    return dq, dk, dv
+
+
+@_cpu_backward.register_fake
+def _(grad, q, k, v, out, lse, key_mask, cu_seqlens, scale):
+    return torch.empty_like(q), torch.empty_like(q), torch.empty_like(q)
+
+
+def _cpu_setup_context(ctx, inputs, output):
+    q, k, v, key_mask, cu_seqlens, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, key_mask, cu_seqlens)
+    ctx.scale = scale
+
+
+def _cpu_autograd(ctx, grad, _grad_lse):
+    q, k, v, out, lse, key_mask, cu_seqlens = ctx.saved_tensors
+    dispatch.note(("attention" if q.dim() == 4 else "varlen_attention") + ".backward", "cpu")
+    dq, dk, dv = _cpu_backward(grad, q, k, v, out, lse, key_mask, cu_seqlens, ctx.scale)
+    return dq, dk, dv, None, None, None
+
+
+_cpu_forward.register_autograd(_cpu_autograd, setup_context=_cpu_setup_context)
+
+_CPU_SUPPORT = dispatch.Support(("cpu",), (torch.float32, torch.bfloat16), dropout=False)
+
+
+@dispatch.register("attention", "cpu", _CPU_SUPPORT)
+def _cpu(q, k, v, attention_mask, dropout_p, scale, need_weights):
+    key_mask = None if attention_mask is None else attention_mask.bool().contiguous()
+    return _cpu_forward(q, k, v, key_mask, None, q.shape[-1] ** -0.5 if scale is None else float(scale))[0]
+
+
+@dispatch.register("varlen_attention", "cpu", _CPU_SUPPORT)
+def _cpu_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale):
+    return _cpu_forward(q, k, v, None, cu_seqlens, q.shape[-1] ** -0.5 if scale is None else float(scale))[0]
