@@ -100,3 +100,43 @@ def test_training_mode_applies_dropout_eval_does_not():
     assert torch.equal(e1, e2)
     model.train()
     assert not torch.equal(model(ids)[0], model(ids)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("backend", ["cpu", "triton", "cuda"])
+def test_kernel_backend_matches_reference_model(backend, dtype):
+    """The whole model on one kernel backend equals the float64 reference: output and every gradient."""
+    import copy
+
+    from fastbert.testing import GRAD_FLOOR, assert_close
+    from grids import skip_unless_runnable
+
+    device = "cpu"
+    for op in fastbert.dispatch.OPS:
+        if op != "varlen_attention":
+            device = skip_unless_runnable(op, backend, dtype)
+    cfg = fastbert.BertConfig.tiny(vocab_size=97, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = fastbert.BertModel(cfg).eval()
+    truth_model = copy.deepcopy(model).double()
+    naive_model = copy.deepcopy(model).to(dtype)
+    model = model.to(device, dtype)
+    ids, mask, types = padded_batch(97, [9, 4, 1])
+    weights = torch.randn(*ids.shape, cfg.hidden_size, dtype=torch.float64)
+
+    def run(m, use, dev):
+        with fastbert.use_backend(use), fastbert.dispatch.record() as calls:
+            out = m(ids.to(dev), attention_mask=mask.to(dev), token_type_ids=types.to(dev))
+            hidden = out.last_hidden_state
+            loss = (hidden.double() * weights.to(dev))[mask.bool().to(dev)].sum() + out.pooler_output.double().sum()
+            loss.backward()
+        return hidden, {n: p.grad for n, p in m.named_parameters()}, calls
+
+    hidden, grads, calls = run(model, backend, device)
+    truth, truth_grads, _ = run(truth_model, "reference", "cpu")
+    naive, naive_grads, _ = run(naive_model, "reference", "cpu")
+    assert {c.backend for c in calls} == {backend}, f"not every call ran on {backend}: {set(calls)}"
+    real = mask.bool()
+    assert_close(hidden.cpu()[real], truth[real], dtype, "matmul", naive=naive[real], name="last_hidden_state")
+    floor = GRAD_FLOOR * max(float(g.norm()) for g in truth_grads.values())
+    for name, g in grads.items():
+        assert_close(g.cpu(), truth_grads[name], dtype, "grad", naive=naive_grads[name], name=name, floor=floor)

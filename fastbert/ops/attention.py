@@ -70,12 +70,12 @@ def _head_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _empty_output(q: torch.Tensor) -> torch.Tensor:
+def _empty_output(q: torch.Tensor, allocate=dispatch.empty) -> torch.Tensor:
     """[B, heads, S, d] as a view of a [B, S, heads, d] buffer: the output projection reads it in place."""
     if q.dim() == 4:
         b, h, s, d = q.shape
-        return dispatch.empty((b, s, h, d), dtype=q.dtype, device=q.device).transpose(1, 2)
-    return dispatch.empty(q.shape, dtype=q.dtype, device=q.device)
+        return allocate((b, s, h, d), dtype=q.dtype, device=q.device).transpose(1, 2)
+    return allocate(q.shape, dtype=q.dtype, device=q.device)
 
 
 def _lse_shape(q: torch.Tensor) -> tuple[int, ...]:
@@ -94,7 +94,7 @@ def _cpu_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: to
 
 @_cpu_forward.register_fake
 def _(q, k, v, key_mask, cu_seqlens, scale):
-    return torch.empty_like(q), q.new_empty(_lse_shape(q), dtype=torch.float32)
+    return _empty_output(q, torch.empty), q.new_empty(_lse_shape(q), dtype=torch.float32)
 
 
 @torch.library.custom_op("fastbert::attention_cpu_backward", mutates_args=())
@@ -109,7 +109,7 @@ def _cpu_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
 
 @_cpu_backward.register_fake
 def _(grad, q, k, v, out, lse, key_mask, cu_seqlens, scale):
-    return torch.empty_like(q), torch.empty_like(q), torch.empty_like(q)
+    return _empty_output(q, torch.empty), _empty_output(q, torch.empty), _empty_output(q, torch.empty)
 
 
 def _cpu_setup_context(ctx, inputs, output):
