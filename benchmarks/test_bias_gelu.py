@@ -1,39 +1,18 @@
-"""bias_gelu side by side: each available fastbert backend, the naive reference, torch's F.gelu.
-
-Run: .venv/bin/python -m pytest benchmarks/test_bias_gelu.py --benchmark-columns=median,iqr,rounds
-Shapes are BERT-base intermediate activations: [tokens, 3072].
-"""
+"""bias_gelu at BERT-base intermediate width: fastbert vs F.gelu(x + b) vs the naive reference."""
 import pytest
 import torch
 
-from fastbert import dispatch, ops
+from conftest import DTYPES, dtype_id, fastbert_contenders, time_it
+from fastbert import ops
 from fastbert.ops import reference
 
-SHAPES = [(1024, 3072), (4096, 3072)]
-DTYPES = [torch.float32, torch.bfloat16]
+CONTENDERS = [("torch F.gelu(x+b)", lambda x, b: torch.nn.functional.gelu(x + b)), ("reference", reference.bias_gelu),
+              *fastbert_contenders("bias_gelu", ops.bias_gelu)]
 
 
-def contenders():
-    yield "torch F.gelu(x + b)", lambda x, b: torch.nn.functional.gelu(x + b)
-    yield "reference", reference.bias_gelu
-    for backend in ("cpu",):
-        if not dispatch.machine_reasons(backend) and backend in dispatch.implementations("bias_gelu"):
-            def run(x, b, backend=backend):
-                with dispatch.use_backend(backend, op="bias_gelu"):
-                    return ops.bias_gelu(x, b)
-            yield f"fastbert {backend}", run
-
-
-CONTENDERS = list(contenders())
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("tokens", [1024, 4096])
 @pytest.mark.parametrize("name,fn", CONTENDERS, ids=[n for n, _ in CONTENDERS])
-def test_bias_gelu(benchmark, name, fn, shape, dtype):
-    x = torch.randn(*shape).to(dtype)
-    b = torch.randn(shape[-1]).to(dtype)
-    benchmark.group = f"bias_gelu {shape[0]}x{shape[1]} {str(dtype).replace('torch.', '')}"
-    benchmark.extra_info["GB moved"] = 2 * x.numel() * x.element_size() / 1e9
-    with torch.inference_mode():
-        benchmark(fn, x, b)
+def test_bias_gelu(benchmark, name, fn, tokens, dtype):
+    x, b = torch.randn(tokens, 3072).to(dtype), torch.randn(3072).to(dtype)
+    time_it(benchmark, f"bias_gelu {tokens}x3072 {dtype_id(dtype)}", fn, x, b)

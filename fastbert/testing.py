@@ -75,7 +75,9 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, kind:
     err = rel_err(out, ref, floor)
     if err > tol:
         raise AssertionError(f"{name}: rel err {err:.3g} > {tol:g} ({dtype}, {kind}); " + _where(out, ref, tol))
-    if naive is not None:
+    # Against a reference below the floor (a gradient that is zero in exact arithmetic) both sides are
+    # rounding noise, and same-dtype PyTorch may cancel exactly: only the table's bound applies.
+    if naive is not None and float(ref.detach().double().norm()) >= floor:
         naive_err = rel_err(naive, ref, floor)
         bound = NAIVE_FACTOR * naive_err + NAIVE_FLOOR * tol
         if err > bound:

@@ -138,3 +138,14 @@ def test_parity(spec, case, backend, dtype):
     floor = GRAD_FLOOR * max(float(t.norm()) for t in truth_grads)
     for i, (g, t, n) in enumerate(zip(grads, truth_grads, naive_grads)):
         assert_close(g, t, dtype, "grad", naive=n, name=f"{spec.op} grad of input {i}", floor=floor)
+
+
+ATTENTION_GRID = [(s, c) for s, c in GRID if s.op in ("attention", "varlen_attention")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("spec,case", ATTENTION_GRID, ids=[f"{s.op}-{c.name}" for s, c in ATTENTION_GRID])
+def test_cpu_attention_without_blas(spec, case, dtype, monkeypatch):
+    """The cpu attention kernel's own micro-GEMM (used where torch has no BLAS sgemm) is right too."""
+    monkeypatch.setenv("FASTBERT_CPU_BLAS", "0")
+    test_parity(spec, case, "cpu", dtype)

@@ -1,18 +1,23 @@
 // Flash-style attention on CPU, forward and backward, for padded batches ([B, heads, S, d] with a
 // key-padding mask) and packed varlen batches ([T, heads, d] with cu_seqlens).
 //
-// One task per (sequence, head), spread over threads. A task copies its q, k, v rows into fp32
-// scratch (any strides, float or bfloat16 in), then walks query blocks x key blocks: scores with a
-// register-blocked micro-GEMM, online softmax in fp32, P @ V accumulated in fp32. logsumexp is saved
+// One task per (sequence, head), spread over threads. A task reads its q, k, v rows in place (any
+// row strides; bfloat16 is converted to fp32 first), then walks query blocks x key blocks: scores by
+// GEMM (torch's BLAS, or a register-blocked micro-kernel), online softmax in fp32, P @ V accumulated
+// in fp32. Trailing padding keys are skipped, not computed and masked. logsumexp is saved
 // per row; backward recomputes the probabilities block by block (no S x S matrix is ever stored).
 // A query row with no kept key gets zeros, and logsumexp +inf so backward sees probabilities of 0.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <dlfcn.h>
+
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -55,8 +60,23 @@ void gemm_rows(int64_t N, int64_t K, const float* A, int64_t lda, const float* B
   }
 }
 
-void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
-          int64_t ldc, float alpha, bool accumulate) {
+// The BLAS sgemm that torch itself links (MKL or OpenBLAS), found at run time so that a torch
+// without one still loads fastbert._C; the micro-kernel above serves then (or FASTBERT_CPU_BLAS=0).
+using sgemm_fn = void (*)(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
+                          const int*, const float*, const int*, const float*, float*, const int*);
+
+sgemm_fn blas_sgemm() {
+  static const sgemm_fn found = [] {
+    void* lib = dlopen("libtorch_cpu.so", RTLD_LAZY | RTLD_NOLOAD);
+    void* fn = lib ? dlsym(lib, "sgemm_") : nullptr;
+    return reinterpret_cast<sgemm_fn>(fn ? fn : dlsym(RTLD_DEFAULT, "sgemm_"));
+  }();
+  const char* env = std::getenv("FASTBERT_CPU_BLAS");
+  return env && env[0] == '0' ? nullptr : found;
+}
+
+void gemm_nn(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
+             int64_t ldc, float alpha, bool accumulate) {
   int64_t i = 0;
   for (; i + 4 <= M; i += 4) gemm_rows<4>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, alpha, accumulate);
   switch (M - i) {
@@ -65,6 +85,43 @@ void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const fl
     case 1: gemm_rows<1>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, alpha, accumulate); break;
     default: break;
   }
+}
+
+
+// Transposed copy: src [rows x cols] (row stride ld) -> dst [cols x rows] contiguous.
+void transpose(const float* src, int64_t ld, int64_t rows, int64_t cols, float* dst) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * ld + c];
+}
+
+// C[M x N] = alpha * op(A) op(B) (+ C if accumulate); row-major fp32 with row strides lda, ldb, ldc;
+// op(X) = X^T where the flag says so. BLAS when torch has one; else the micro-kernel on copies.
+void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
+          int64_t ldb, float* C, int64_t ldc, float alpha, bool accumulate, std::vector<float>& scratch) {
+  if (M == 0 || N == 0) return;
+  if (const sgemm_fn sgemm = blas_sgemm()) {
+    // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: swap the operands.
+    const int m = (int)N, n = (int)M, k = (int)K, la = (int)ldb, lb = (int)lda, lc = (int)ldc;
+    const float beta = accumulate ? 1.f : 0.f;
+    sgemm(trans_b ? "T" : "N", trans_a ? "T" : "N", &m, &n, &k, &alpha, B, &la, A, &lb, &beta, C, &lc);
+    return;
+  }
+  scratch.resize(std::max<size_t>(scratch.size(), (size_t)(M * K + K * N)));
+  if (trans_a) {
+    transpose(A, lda, K, M, scratch.data());
+    A = scratch.data();
+    lda = K;
+  }
+  if (trans_b) {
+    transpose(B, ldb, N, K, scratch.data() + M * K);
+    B = scratch.data() + M * K;
+    ldb = N;
+  }
+  if (K == 0) {
+    if (!accumulate) for (int64_t i = 0; i < M; ++i) std::fill(C + i * ldc, C + i * ldc + N, 0.f);
+    return;
+  }
+  gemm_nn(M, N, K, A, lda, B, ldb, C, ldc, alpha, accumulate);
 }
 
 // Where row r of head h of sequence i lives: (start(i) + r) * row + i * seq + h * head.
@@ -118,22 +175,6 @@ Batch describe(const at::Tensor& q, const std::optional<at::Tensor>& key_mask,
   return b;
 }
 
-// Copy `rows` rows of width d (row stride `ld`) into contiguous fp32, optionally transposed to [d, rows].
-template <typename T>
-void gather(const T* src, int64_t ld, int64_t rows, int64_t d, float* dst, bool transpose) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < d; ++c) {
-      const float v = static_cast<float>(src[r * ld + c]);
-      if (transpose) dst[c * rows + r] = v; else dst[r * d + c] = v;
-    }
-}
-
-template <typename T>
-void scatter(const float* src, int64_t rows, int64_t d, T* dst, int64_t ld) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < d; ++c) dst[r * ld + c] = static_cast<T>(src[r * d + c]);
-}
-
 // Additive key bias for one sequence: 0 for kept keys, -inf for padding. Returns keys to visit
 // (everything after the last kept key is padding and skipped).
 int64_t key_bias(const Batch& b, int64_t i, int64_t L, float* bias) {
@@ -151,6 +192,42 @@ int64_t key_bias(const Batch& b, int64_t i, int64_t L, float* bias) {
   return visit;
 }
 
+// Rows of one (sequence, head) as fp32: the tensor itself when it is float32, else a converted copy.
+template <typename T>
+struct Rows {
+  const float* ptr;
+  int64_t ld;
+  Rows(const T* src, int64_t row_stride, int64_t rows, int64_t d, std::vector<float>& buffer) {
+    if constexpr (std::is_same_v<T, float>) {
+      ptr = src;
+      ld = row_stride;
+    } else {
+      buffer.resize(std::max<size_t>(buffer.size(), (size_t)(rows * d)));
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < d; j += kBlock) {
+          VecF a, b;
+          const int64_t m = std::min(kBlock, d - j);
+          load2(src + r * row_stride + j, m, a, b);
+          store2(buffer.data() + r * d + j, m, a, b);
+        }
+      ptr = buffer.data();
+      ld = d;
+    }
+  }
+  const float* row(int64_t r) const { return ptr + r * ld; }
+};
+
+// dst[0:d] = src[0:d] * scale, converting to T.
+template <typename T>
+void store_row(T* dst, const float* src, int64_t d, float scale) {
+  for (int64_t j = 0; j < d; j += kBlock) {
+    const int64_t m = std::min(kBlock, d - j);
+    VecF a, b;
+    load2(src + j, m, a, b);
+    store2(dst + j, m, a * VecF(scale), b * VecF(scale));
+  }
+}
+
 template <typename T>
 void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Batch& b, float scale,
              const at::Tensor& out, const at::Tensor& lse) {
@@ -159,17 +236,17 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
   const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
   T* op = out.data_ptr<T>();
   float* lp = lse.data_ptr<float>();
-  const int64_t d = b.d, Lmax = b.max_length;
+  const int64_t d = b.d;
   at::parallel_for(0, b.sequences * b.heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> Q(Lmax * d), KT(d * Lmax), V(Lmax * d), O(kBlockQ * d), S(kBlockQ * kBlockK), bias(Lmax),
-        row_max(kBlockQ), row_sum(kBlockQ), result(Lmax * d);
+    std::vector<float> qbuf, kbuf, vbuf, scratch, O(kBlockQ * d), S(kBlockQ * kBlockK), bias(b.max_length),
+        row_max(kBlockQ), row_sum(kBlockQ);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i = task / b.heads, h = task % b.heads, L = b.length[i], s0 = b.start[i];
       if (L == 0) continue;
       const int64_t keys = key_bias(b, i, L, bias.data());
-      gather(qp + lq.at(i, s0, h, 0), lq.row, L, d, Q.data(), false);
-      gather(kp + lk.at(i, s0, h, 0), lk.row, keys, d, KT.data(), true);  // [d, keys]
-      gather(vp + lv.at(i, s0, h, 0), lv.row, keys, d, V.data(), false);
+      const Rows<T> Q(qp + lq.at(i, s0, h, 0), lq.row, L, d, qbuf);
+      const Rows<T> K(kp + lk.at(i, s0, h, 0), lk.row, keys, d, kbuf);
+      const Rows<T> V(vp + lv.at(i, s0, h, 0), lv.row, keys, d, vbuf);
       for (int64_t qb = 0; qb < L; qb += kBlockQ) {
         const int64_t nq = std::min(kBlockQ, L - qb);
         std::fill(O.begin(), O.begin() + nq * d, 0.f);
@@ -177,7 +254,7 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
         std::fill(row_sum.begin(), row_sum.end(), 0.f);
         for (int64_t kb = 0; kb < keys; kb += kBlockK) {
           const int64_t nk = std::min(kBlockK, keys - kb);
-          gemm(nq, nk, d, Q.data() + qb * d, d, KT.data() + kb, keys, S.data(), nk, scale, false);
+          gemm(false, true, nq, nk, d, Q.row(qb), Q.ld, K.row(kb), K.ld, S.data(), nk, scale, false, scratch);
           for (int64_t r = 0; r < nq; ++r) {
             float* s = S.data() + r * nk;
             float mx = -kInf;
@@ -191,31 +268,26 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
               continue;
             }
             const float correction = std::exp(row_max[r] - m_new);  // 0 on the first kept block
-            float sum = 0.f;
-            int64_t j = 0;
-            for (; j + kHalf <= nk; j += kHalf) {
-              VecF p = (VecF::loadu(s + j) - VecF(m_new)).exp();
-              p.store(s + j);
-              sum += reduce_sum(p);
+            VecF acc(0.f);
+            for (int64_t j = 0; j < nk; j += kHalf) {
+              const int64_t m = std::min(kHalf, nk - j);
+              VecF p = (VecF::loadu(s + j, m) - VecF(m_new)).exp();
+              if (m < kHalf) p = VecF::set(VecF(0.f), p, m);
+              p.store(s + j, m);
+              acc = acc + p;
             }
-            for (; j < nk; ++j) {
-              s[j] = std::exp(s[j] - m_new);
-              sum += s[j];
-            }
-            row_sum[r] = row_sum[r] * correction + sum;
+            row_sum[r] = row_sum[r] * correction + reduce_sum(acc);
             row_max[r] = m_new;
-            if (correction != 1.f)
-              for (int64_t c = 0; c < d; ++c) O[r * d + c] *= correction;
+            if (correction != 1.f) store_row(O.data() + r * d, O.data() + r * d, d, correction);
           }
-          gemm(nq, d, nk, S.data(), nk, V.data() + kb * d, d, O.data(), d, 1.f, true);
+          gemm(false, false, nq, d, nk, S.data(), nk, V.row(kb), V.ld, O.data(), d, 1.f, true, scratch);
         }
         for (int64_t r = 0; r < nq; ++r) {
-          const float l = row_sum[r], inv = l > 0.f ? 1.f / l : 0.f;
-          for (int64_t c = 0; c < d; ++c) result[(qb + r) * d + c] = O[r * d + c] * inv;
+          const float l = row_sum[r];
+          store_row(op + lo.at(i, s0, h, qb + r), O.data() + r * d, d, l > 0.f ? 1.f / l : 0.f);
           lp[ll.at(i, s0, h, qb + r)] = l > 0.f ? row_max[r] + std::log(l) : kInf;
         }
       }
-      scatter(result.data(), L, d, op + lo.at(i, s0, h, 0), lo.row);
     }
   });
 }
@@ -233,57 +305,63 @@ void backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, 
   T *dqp = dq.data_ptr<T>(), *dkp = dk.data_ptr<T>(), *dvp = dv.data_ptr<T>();
   const int64_t d = b.d, Lmax = b.max_length;
   at::parallel_for(0, b.sequences * b.heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> Q(Lmax * d), QT(d * Lmax), K(Lmax * d), V(Lmax * d), dO(Lmax * d), dOT(d * Lmax),
-        O(Lmax * d), D(Lmax), LSE(Lmax), bias(Lmax), dQ(Lmax * d), dK(Lmax * d), dV(Lmax * d),
-        P(kBlockK * kBlockQ), dP(kBlockK * kBlockQ), dS(kBlockQ * kBlockK);
+    std::vector<float> qbuf, kbuf, vbuf, gbuf, obuf, scratch, D(Lmax), LSE(Lmax), bias(Lmax), dQ(Lmax * d),
+        dK(kBlockK * d), dV(kBlockK * d), P(kBlockK * kBlockQ), dP(kBlockK * kBlockQ), zeros(d, 0.f);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i = task / b.heads, h = task % b.heads, L = b.length[i], s0 = b.start[i];
       if (L == 0) continue;
       const int64_t keys = key_bias(b, i, L, bias.data());
-      gather(qp + lq.at(i, s0, h, 0), lq.row, L, d, Q.data(), false);
-      gather(qp + lq.at(i, s0, h, 0), lq.row, L, d, QT.data(), true);
-      gather(kp + lk.at(i, s0, h, 0), lk.row, L, d, K.data(), false);
-      gather(vp + lv.at(i, s0, h, 0), lv.row, L, d, V.data(), false);
-      gather(gp + lg.at(i, s0, h, 0), lg.row, L, d, dO.data(), false);
-      gather(gp + lg.at(i, s0, h, 0), lg.row, L, d, dOT.data(), true);
-      gather(op + lo.at(i, s0, h, 0), lo.row, L, d, O.data(), false);
+      const Rows<T> Q(qp + lq.at(i, s0, h, 0), lq.row, L, d, qbuf);
+      const Rows<T> K(kp + lk.at(i, s0, h, 0), lk.row, keys, d, kbuf);
+      const Rows<T> V(vp + lv.at(i, s0, h, 0), lv.row, keys, d, vbuf);
+      const Rows<T> dO(gp + lg.at(i, s0, h, 0), lg.row, L, d, gbuf);
+      const Rows<T> O(op + lo.at(i, s0, h, 0), lo.row, L, d, obuf);
       for (int64_t r = 0; r < L; ++r) {
-        // D = rowsum(dO * O) = sum_j P_rj dP_rj, accumulated in the micro-GEMM's order (fused
-        // multiply-adds over the head dimension), so that over a single key dP - D is exactly 0.
-        float s = 0.f;
-        for (int64_t c = 0; c < d; ++c) s = std::fma(O[r * d + c], dO[r * d + c], s);
+        float s = 0.f;  // D = rowsum(dO * O) = sum_j P_rj dP_rj
+        for (int64_t c = 0; c < d; ++c) s = std::fma(O.row(r)[c], dO.row(r)[c], s);
         D[r] = s;
         LSE[r] = lp[ll.at(i, s0, h, r)];
       }
       std::fill(dQ.begin(), dQ.begin() + L * d, 0.f);
-      std::fill(dK.begin(), dK.begin() + L * d, 0.f);  // padding keys get zero gradient
-      std::fill(dV.begin(), dV.begin() + L * d, 0.f);
       for (int64_t kb = 0; kb < keys; kb += kBlockK) {
         const int64_t nk = std::min(kBlockK, keys - kb);
+        std::fill(dK.begin(), dK.end(), 0.f);
+        std::fill(dV.begin(), dV.end(), 0.f);
         for (int64_t qb = 0; qb < L; qb += kBlockQ) {
           const int64_t nq = std::min(kBlockQ, L - qb);
-          // P^T [nk, nq] = exp(K Q^T * scale + bias - lse)
-          gemm(nk, nq, d, K.data() + kb * d, d, QT.data() + qb, L, P.data(), nq, scale, false);
-          for (int64_t j = 0; j < nk; ++j)
-            for (int64_t r = 0; r < nq; ++r) {
-              float& p = P[j * nq + r];
-              p = std::exp(p + bias[kb + j] - LSE[qb + r]);  // -inf bias or +inf lse -> 0
+          // P^T [nk, nq] = exp(K Q^T * scale + bias - lse): -inf bias or +inf lse give 0
+          gemm(false, true, nk, nq, d, K.row(kb), K.ld, Q.row(qb), Q.ld, P.data(), nq, scale, false, scratch);
+          for (int64_t j = 0; j < nk; ++j) {
+            float* p = P.data() + j * nq;
+            const VecF kbias(bias[kb + j]);
+            for (int64_t r = 0; r < nq; r += kHalf) {
+              const int64_t m = std::min(kHalf, nq - r);
+              (VecF::loadu(p + r, m) + kbias - VecF::loadu(LSE.data() + qb + r, m)).exp().store(p + r, m);
             }
-          gemm(nk, d, nq, P.data(), nq, dO.data() + qb * d, d, dV.data() + kb * d, d, 1.f, true);
-          gemm(nk, nq, d, V.data() + kb * d, d, dOT.data() + qb, L, dP.data(), nq, 1.f, false);
-          for (int64_t j = 0; j < nk; ++j)
-            for (int64_t r = 0; r < nq; ++r) {
-              const float ds = P[j * nq + r] * (dP[j * nq + r] - D[qb + r]);
-              dP[j * nq + r] = ds;      // dS^T
-              dS[r * nk + j] = ds;      // dS
+          }
+          gemm(false, false, nk, d, nq, P.data(), nq, dO.row(qb), dO.ld, dV.data(), d, 1.f, true, scratch);
+          gemm(false, true, nk, nq, d, V.row(kb), V.ld, dO.row(qb), dO.ld, dP.data(), nq, 1.f, false, scratch);
+          for (int64_t j = 0; j < nk; ++j) {  // dS^T = P^T * (dP^T - D)
+            float* p = P.data() + j * nq;
+            float* dp = dP.data() + j * nq;
+            for (int64_t r = 0; r < nq; r += kHalf) {
+              const int64_t m = std::min(kHalf, nq - r);
+              (VecF::loadu(p + r, m) * (VecF::loadu(dp + r, m) - VecF::loadu(D.data() + qb + r, m))).store(dp + r, m);
             }
-          gemm(nk, d, nq, dP.data(), nq, Q.data() + qb * d, d, dK.data() + kb * d, d, scale, true);
-          gemm(nq, d, nk, dS.data(), nk, K.data() + kb * d, d, dQ.data() + qb * d, d, scale, true);
+          }
+          gemm(false, false, nk, d, nq, dP.data(), nq, Q.row(qb), Q.ld, dK.data(), d, scale, true, scratch);
+          gemm(true, false, nq, d, nk, dP.data(), nq, K.row(kb), K.ld, dQ.data() + qb * d, d, scale, true, scratch);
+        }
+        for (int64_t j = 0; j < nk; ++j) {
+          store_row(dkp + ldk.at(i, s0, h, kb + j), dK.data() + j * d, d, 1.f);
+          store_row(dvp + ldv.at(i, s0, h, kb + j), dV.data() + j * d, d, 1.f);
         }
       }
-      scatter(dQ.data(), L, d, dqp + ldq.at(i, s0, h, 0), ldq.row);
-      scatter(dK.data(), L, d, dkp + ldk.at(i, s0, h, 0), ldk.row);
-      scatter(dV.data(), L, d, dvp + ldv.at(i, s0, h, 0), ldv.row);
+      for (int64_t j = keys; j < L; ++j) {  // trailing padding keys: no gradient
+        store_row(dkp + ldk.at(i, s0, h, j), zeros.data(), d, 1.f);
+        store_row(dvp + ldv.at(i, s0, h, j), zeros.data(), d, 1.f);
+      }
+      for (int64_t r = 0; r < L; ++r) store_row(dqp + ldq.at(i, s0, h, r), dQ.data() + r * d, d, 1.f);
     }
   });
 }

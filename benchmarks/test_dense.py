@@ -1,0 +1,34 @@
+"""dense (+GELU) at BERT-base shapes: fastbert vs F.linear (+ F.gelu), and oneDNN's plain packed GEMM
+(the machine's GEMM rate: fastbert's fused GEMM should come close to it)."""
+import pytest
+import torch
+
+from conftest import DTYPES, dtype_id, fastbert_contenders, time_it
+from fastbert import ops
+from fastbert.ops import _onednn
+
+SHAPES = [(768, 3072, "gelu"), (3072, 768, "none"), (768, 2304, "none")]  # FFN up, FFN down, QKV
+
+
+def torch_composite(x, w, b, activation):
+    y = torch.nn.functional.linear(x, w, b)
+    return torch.nn.functional.gelu(y) if activation == "gelu" else y
+
+
+def onednn_plain(x, w, b, activation):
+    return _onednn.linear(x, w, b, "none")
+
+
+CONTENDERS = [("torch F.linear(+F.gelu)", torch_composite), *fastbert_contenders("dense", ops.dense)]
+if not _onednn.missing():
+    CONTENDERS.append(("oneDNN plain GEMM", onednn_plain))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("tokens", [1024, 4096])
+@pytest.mark.parametrize("k,n,activation", SHAPES, ids=[f"{k}x{n}-{a}" for k, n, a in SHAPES])
+@pytest.mark.parametrize("name,fn", CONTENDERS, ids=[n for n, _ in CONTENDERS])
+def test_dense(benchmark, name, fn, tokens, k, n, activation, dtype):
+    x, w, b = torch.randn(tokens, k).to(dtype), (torch.randn(n, k) * k**-0.5).to(dtype), torch.randn(n).to(dtype)
+    benchmark.extra_info["GFLOP"] = 2 * tokens * k * n / 1e9
+    time_it(benchmark, f"dense {tokens}x{k}->{n} {activation} {dtype_id(dtype)}", fn, x, w, b, activation)
