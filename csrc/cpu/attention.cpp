@@ -13,6 +13,7 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
@@ -25,7 +26,7 @@
 namespace fastbert {
 namespace {
 
-constexpr int64_t kBlockQ = 64;
+constexpr int64_t kBlockQ = 128;
 constexpr int64_t kBlockK = 128;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
@@ -257,11 +258,16 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
           gemm(false, true, nq, nk, d, Q.row(qb), Q.ld, K.row(kb), K.ld, S.data(), nk, scale, false, scratch);
           for (int64_t r = 0; r < nq; ++r) {
             float* s = S.data() + r * nk;
-            float mx = -kInf;
-            for (int64_t j = 0; j < nk; ++j) {
-              s[j] += bias[kb + j];
-              mx = std::max(mx, s[j]);
+            VecF vmax(-kInf);
+            for (int64_t j = 0; j < nk; j += kHalf) {
+              const int64_t m = std::min(kHalf, nk - j);
+              VecF x = VecF::loadu(s + j, m) + VecF::loadu(bias.data() + kb + j, m);
+              x.store(s + j, m);
+              vmax = at::vec::maximum(vmax, m < kHalf ? VecF::set(VecF(-kInf), x, m) : x);
             }
+            alignas(64) float lanes[kHalf];
+            vmax.store(lanes);
+            const float mx = *std::max_element(lanes, lanes + kHalf);
             const float m_new = std::max(row_max[r], mx);
             if (m_new == -kInf) {  // every key so far is padding: nothing to add
               std::fill(s, s + nk, 0.f);
