@@ -284,6 +284,19 @@ def select(op: str, inputs: dict) -> tuple[str, dict[str, list[str]]]:
     raise AssertionError("unreachable: the reference backend always qualifies")
 
 
+def prefers_varlen(x: torch.Tensor, head_dim: int, dropout_p: float) -> bool:
+    """Whether the model should run padding-free: a kernel, not the reference's per-sequence loop,
+    would serve varlen_attention. Eager only (the padding check that precedes it reads values)."""
+    if torch.compiler.is_compiling():
+        return False
+    inputs = {"tensors": (x,), "head_dim": head_dim, "dropout_p": dropout_p}
+    try:
+        backend, _ = select("varlen_attention", inputs)
+    except BackendUnavailable:
+        return False
+    return backend != "reference"
+
+
 def call(op: str, inputs: dict, *args, **kwargs):
     """Select a backend for `op`, run it, and record the choice."""
     backend, skipped = select(op, inputs)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
-from fastbert import ops
+from fastbert import dispatch, ops, padding
 from fastbert.config import BertConfig
 
 
@@ -86,11 +86,15 @@ class BertSelfAttention(nn.Module):
                 self._fused = (key, torch.cat(params[:3]), torch.cat(params[3:]))
         return self._fused[1], self._fused[2]
 
-    def forward(self, x, attention_mask=None, need_weights=False):
-        b, s, h = x.shape
+    def forward(self, x, attention_mask=None, need_weights=False, packing=None):
         weight, bias = self.fused_qkv()  # [3H, H], [3H]
-        q, k, v = ops.qkv_projection(x, weight, bias, self.num_attention_heads)  # 3 x [B, heads, S, d]
         p = self.dropout_p if self.training else 0.0
+        if packing is not None:  # x [T, H], packed tokens
+            q, k, v = ops.qkv_projection(x, weight, bias, self.num_attention_heads)  # 3 x [T, heads, d]
+            context = ops.varlen_attention(q, k, v, packing.cu_seqlens, packing.max_seqlen, dropout_p=p)
+            return context.reshape(x.shape), None  # [T, H]
+        b, s, h = x.shape
+        q, k, v = ops.qkv_projection(x, weight, bias, self.num_attention_heads)  # 3 x [B, heads, S, d]
         out = ops.attention(q, k, v, attention_mask, dropout_p=p, need_weights=need_weights)
         context, probs = out if need_weights else (out, None)
         return context.transpose(1, 2).reshape(b, s, h), probs  # [B, S, H], [B, heads, S, S] or None
@@ -115,8 +119,8 @@ class BertAttention(nn.Module):
         self.self = BertSelfAttention(config)
         self.output = BertSelfOutput(config)
 
-    def forward(self, x, attention_mask=None, need_weights=False):
-        context, probs = self.self(x, attention_mask, need_weights)
+    def forward(self, x, attention_mask=None, need_weights=False, packing=None):
+        context, probs = self.self(x, attention_mask, need_weights, packing)
         return self.output(context, x), probs
 
 
@@ -143,8 +147,8 @@ class BertLayer(nn.Module):
         self.intermediate = BertIntermediate(config)
         self.output = BertOutput(config)
 
-    def forward(self, x, attention_mask=None, need_weights=False):
-        x, probs = self.attention(x, attention_mask, need_weights)
+    def forward(self, x, attention_mask=None, need_weights=False, packing=None):
+        x, probs = self.attention(x, attention_mask, need_weights, packing)
         return self.output(self.intermediate(x), x), probs
 
 
@@ -153,15 +157,17 @@ class BertEncoder(nn.Module):
         super().__init__()
         self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
 
-    def forward(self, x, attention_mask=None, output_hidden_states=False, output_attentions=False):
-        hidden_states, attentions = [x] if output_hidden_states else None, [] if output_attentions else None
+    def forward(self, x, attention_mask=None, output_hidden_states=False, output_attentions=False, packing=None):
+        """x [B, S, H] with attention_mask, or packed [T, H] with `packing` (then states come back padded)."""
+        restore = (lambda t: padding.pad(t, packing)) if packing is not None else (lambda t: t)
+        hidden_states, attentions = [restore(x)] if output_hidden_states else None, [] if output_attentions else None
         for layer in self.layer:
-            x, probs = layer(x, attention_mask, output_attentions)
+            x, probs = layer(x, attention_mask, output_attentions, packing)
             if output_hidden_states:
-                hidden_states.append(x)
+                hidden_states.append(restore(x))
             if output_attentions:
                 attentions.append(probs)
-        return x, hidden_states, attentions
+        return restore(x), hidden_states, attentions
 
 
 class BertPooler(nn.Module):
@@ -266,13 +272,24 @@ class BertModel(BertPreTrainedModel):
             if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
                 raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
 
+    def padding_free(self, x, attention_mask) -> bool:
+        """Run the encoder on packed tokens? When there is padding and a varlen kernel can serve."""
+        dropout_p = self.config.attention_probs_dropout_prob if self.training else 0.0
+        return dispatch.prefers_varlen(x, self.config.head_dim, dropout_p) and padding.worth_unpadding(attention_mask)
+
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
                 output_hidden_states: bool = False, output_attentions: bool = False, return_dict: bool = True):
+        """Outputs as transformers' BertModel. With padding and a varlen kernel, the encoder runs on
+        packed tokens and last_hidden_state (and hidden_states) hold zeros at pad positions."""
         self.check_inputs(input_ids, attention_mask, token_type_ids, position_ids)
         if attention_mask is not None:
             attention_mask = attention_mask.bool()  # [B, S], True = token
         x = self.embeddings(input_ids, token_type_ids, position_ids)  # [B, S, H]
-        x, hidden_states, attentions = self.encoder(x, attention_mask, output_hidden_states, output_attentions)
+        packing = None
+        if attention_mask is not None and not output_attentions and self.padding_free(x, attention_mask):
+            packing = padding.packing(attention_mask)
+            x = padding.unpad(x, packing)  # [T, H]: pad tokens never enter the encoder
+        x, hidden_states, attentions = self.encoder(x, attention_mask, output_hidden_states, output_attentions, packing)
         pooled = self.pooler(x) if self.pooler is not None else None
         out = BertModelOutput(
             last_hidden_state=x,
