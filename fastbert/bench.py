@@ -1,0 +1,345 @@
+"""`python -m fastbert bench`: fastbert against everyone who runs BERT on this machine, side by side.
+
+One process; for each model x dtype x shape every competitor is checked against transformers' eager
+output first, then timed in alternating rounds (medians). The machine's GEMM rate (oneDNN, packed
+weights) is measured in the same run; each row reports which fraction of it fastbert reaches,
+counting useful FLOPs only (real tokens, no padding). Prints a markdown table, writes JSON and a PNG.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+import fastbert
+
+COMPETITORS = ("fastbert", "hf-eager", "hf-sdpa", "compile", "nested", "onnxruntime")
+DEFAULT_COMPETITORS = ("fastbert", "hf-eager", "hf-sdpa", "nested", "onnxruntime")
+SHAPES = ("1x128", "8x128", "8x512", "ragged32")
+MODELS = ("minilm", "base")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PARITY = {torch.float32: 1e-4, torch.bfloat16: 3e-2}  # rel err vs transformers eager, real tokens
+
+
+def log(*parts) -> None:
+    print(*parts, file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------------------- inputs
+
+
+def make_batch(shape: str, vocab: int, seed: int = 0):
+    """input_ids, attention_mask for a named shape; `ragged32` is 32 sentences of U[16, 128] tokens."""
+    g = torch.Generator().manual_seed(seed)
+    if shape.startswith("ragged"):
+        n = int(shape.removeprefix("ragged"))
+        lengths = torch.randint(16, 129, (n,), generator=g)
+    else:
+        b, s = map(int, shape.split("x"))
+        lengths = torch.full((b,), s)
+    seq = int(lengths.max())
+    mask = (torch.arange(seq)[None] < lengths[:, None]).long()
+    ids = torch.randint(1000, vocab, (len(lengths), seq), generator=g) * mask
+    ids[:, 0] = 101  # [CLS]
+    return ids, mask
+
+
+def useful_flops(config: fastbert.BertConfig, mask: torch.Tensor) -> float:
+    """FLOPs on real tokens: the layers' GEMMs plus attention over each sequence's own length."""
+    h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    lengths = mask.sum(1).double()
+    per_token = 2 * (4 * h * h + 2 * h * i)
+    attention = 4 * h * float((lengths**2).sum())
+    return layers * (per_token * float(lengths.sum()) + attention)
+
+
+def gemm_rate(dtype: torch.dtype) -> float:
+    """GFLOP/s of oneDNN's packed GEMM at BERT-base FFN width, measured now."""
+    from fastbert.ops import _onednn
+
+    x, w = torch.randn(1024, 768).to(dtype), torch.randn(3072, 768).to(dtype)
+    if _onednn.missing():
+        fn = lambda: torch.nn.functional.linear(x, w)  # noqa: E731
+    else:
+        fn = lambda: _onednn.linear(x, w, None)  # noqa: E731
+    times = []
+    for _ in range(12):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 2 * 1024 * 768 * 3072 / statistics.median(times[2:]) / 1e9
+
+
+# ------------------------------------------------------------------------------------ competitors
+
+
+@dataclass
+class Competitor:
+    name: str
+    run: object = None  # (ids, mask) -> last_hidden_state [B, S, H]
+    unavailable: str = ""  # why it cannot run, in words
+
+
+def load_models(model: str, dtype: torch.dtype):
+    """(fastbert model, transformers eager model, transformers sdpa model, directory or None)."""
+    import transformers
+
+    if model == "minilm":
+        from fastbert.demo import minilm_dir
+
+        directory = minilm_dir()
+        ours = fastbert.BertModel.from_pretrained(directory)
+        hf_config = transformers.BertConfig.from_pretrained(directory)
+        state = ours.state_dict()
+    elif model == "base":
+        directory = None
+        torch.manual_seed(0)
+        ours = fastbert.BertModel(fastbert.BertConfig.base()).eval()
+        hf_config = transformers.BertConfig(**ours.config.to_dict())
+        state = ours.state_dict()
+    else:
+        raise ValueError(f"unknown model {model!r} (known: {', '.join(MODELS)})")
+    hf = {}
+    for impl in ("eager", "sdpa"):
+        m = transformers.BertModel._from_config(transformers.BertConfig(**hf_config.to_dict()), attn_implementation=impl)
+        m.load_state_dict(state, strict=False)
+        hf[impl] = m.eval().to(dtype)
+    return ours.to(dtype), hf["eager"], hf["sdpa"]
+
+
+def hf_runner(model):
+    return lambda ids, mask: model(input_ids=ids, attention_mask=mask).last_hidden_state
+
+
+def nested_encoder(hf_model, dtype):
+    """torch.nn.TransformerEncoder (nested-tensor fast path) carrying the same weights."""
+    cfg = hf_model.config
+    if cfg.hidden_act != "gelu":
+        return None, f"hidden_act {cfg.hidden_act} (torch's fast path has exact gelu only)"
+    layer = torch.nn.TransformerEncoderLayer(cfg.hidden_size, cfg.num_attention_heads, cfg.intermediate_size, dropout=0.0,
+                                             activation="gelu", layer_norm_eps=cfg.layer_norm_eps, batch_first=True)
+    encoder = torch.nn.TransformerEncoder(layer, cfg.num_hidden_layers, enable_nested_tensor=True)
+    for mine, theirs in zip(encoder.layers, hf_model.encoder.layer):
+        att = theirs.attention
+        with torch.no_grad():
+            mine.self_attn.in_proj_weight.copy_(torch.cat([att.self.query.weight, att.self.key.weight, att.self.value.weight]))
+            mine.self_attn.in_proj_bias.copy_(torch.cat([att.self.query.bias, att.self.key.bias, att.self.value.bias]))
+            mine.self_attn.out_proj.weight.copy_(att.output.dense.weight)
+            mine.self_attn.out_proj.bias.copy_(att.output.dense.bias)
+            mine.norm1.load_state_dict(att.output.LayerNorm.state_dict())
+            mine.linear1.load_state_dict(theirs.intermediate.dense.state_dict())
+            mine.linear2.load_state_dict(theirs.output.dense.state_dict())
+            mine.norm2.load_state_dict(theirs.output.LayerNorm.state_dict())
+    encoder = encoder.eval().to(dtype)
+
+    def run(ids, mask):
+        x = hf_model.embeddings(input_ids=ids)
+        out = encoder(x, src_key_padding_mask=~mask.bool())
+        return out.to_padded_tensor(0.0, x.shape) if out.is_nested else out
+
+    return run, ""
+
+
+def onnxruntime_runner(hf_model, dtype, workdir):
+    """ONNX Runtime on the same weights, exported and fused by ORT's transformer optimizer."""
+    if dtype != torch.float32:
+        return None, "fp32 only (ONNX Runtime's CPU kernels have no bf16 BERT path)"
+    try:
+        import onnxruntime as ort
+        from onnxruntime.transformers.optimizer import optimize_model
+    except ImportError as e:
+        return None, f"not installed ({e.name}); pip install onnxruntime onnx"
+
+    class Wrapper(torch.nn.Module):  # keyword call: positional arguments clash with use_cache
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask):
+            return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+    os.makedirs(workdir, exist_ok=True)
+    raw, fused = os.path.join(workdir, "bert.onnx"), os.path.join(workdir, "bert-opt.onnx")
+    ids, mask = make_batch("8x128", hf_model.config.vocab_size)
+    # Export a copy: the exporter leaves the module it traced in a state whose outputs differ afterwards.
+    torch.onnx.export(Wrapper(copy.deepcopy(hf_model)), (ids, mask), raw, input_names=["input_ids", "attention_mask"],
+                      output_names=["last_hidden_state"], opset_version=17, dynamo=False,
+                      dynamic_axes={"input_ids": {0: "b", 1: "s"}, "attention_mask": {0: "b", 1: "s"},
+                                    "last_hidden_state": {0: "b", 1: "s"}})
+    cfg = hf_model.config
+    optimize_model(raw, model_type="bert", num_heads=cfg.num_attention_heads, hidden_size=cfg.hidden_size).save_model_to_file(fused)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = torch.get_num_threads()
+    session = ort.InferenceSession(fused, options, providers=["CPUExecutionProvider"])
+
+    def run(ids, mask):
+        out = session.run(None, {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})[0]
+        return torch.from_numpy(out)
+
+    return run, ""
+
+
+def build_competitors(names, ours, eager, sdpa, dtype, workdir) -> list[Competitor]:
+    out = []
+    for name in names:
+        try:
+            if name == "fastbert":
+                out.append(Competitor(name, lambda ids, mask: ours(ids, attention_mask=mask).last_hidden_state))
+            elif name == "hf-eager":
+                out.append(Competitor(name, hf_runner(eager)))
+            elif name == "hf-sdpa":
+                out.append(Competitor(name, hf_runner(sdpa)))
+            elif name == "compile":
+                out.append(Competitor(name, hf_runner(torch.compile(sdpa, dynamic=False))))
+            elif name == "nested":
+                run, why = nested_encoder(eager, dtype)
+                out.append(Competitor(name, run, why))
+            elif name == "onnxruntime":
+                run, why = onnxruntime_runner(eager, dtype, workdir)
+                out.append(Competitor(name, run, why))
+            else:
+                raise ValueError(f"unknown competitor {name!r} (known: {', '.join(COMPETITORS)})")
+        except ValueError:
+            raise
+        except Exception as e:  # a competitor that fails to build is reported, not fatal
+            out.append(Competitor(name, None, f"failed to build: {type(e).__name__}: {e}"[:200]))
+    return out
+
+
+# -------------------------------------------------------------------------------------- measuring
+
+
+@dataclass
+class Row:
+    model: str
+    dtype: str
+    shape: str
+    tokens: int
+    padded_tokens: int
+    ms: dict = field(default_factory=dict)  # competitor -> median ms
+    skipped: dict = field(default_factory=dict)  # competitor -> reason
+    gflop: float = 0.0
+    gemm_fraction: float = 0.0  # fastbert's useful FLOP/s over the oneDNN GEMM rate
+
+
+def measure(timed: list[Competitor], reference: Competitor, ids, mask, dtype, rounds: int):
+    """Check each competitor against `reference` at real tokens, then time alternating rounds."""
+    real = mask.bool()
+    ms, skipped, live = {}, {}, []
+    with torch.inference_mode():
+        truth = reference.run(ids, mask).float()[real]
+        for c in timed:
+            if c.run is None:
+                skipped[c.name] = c.unavailable
+                continue
+            try:
+                out = c.run(ids, mask)
+                c.run(ids, mask)  # second warm-up run
+            except Exception as e:
+                skipped[c.name] = f"failed: {type(e).__name__}: {e}"[:200]
+                continue
+            err = float((out.float()[real] - truth).norm() / truth.norm())
+            if not err <= PARITY[dtype]:
+                skipped[c.name] = f"output differs from transformers eager: rel err {err:.2e}"
+                continue
+            live.append(c)
+        times = {c.name: [] for c in live}
+        for r in range(rounds):
+            for c in (live if r % 2 == 0 else live[::-1]):  # alternate the order round by round
+                t = time.perf_counter()
+                c.run(ids, mask)
+                times[c.name].append(time.perf_counter() - t)
+    for name, ts in times.items():
+        ms[name] = statistics.median(ts) * 1e3
+    return ms, skipped
+
+
+# -------------------------------------------------------------------------------------- reporting
+
+
+def markdown(rows: list[Row], names: list[str], rates: dict) -> str:
+    others = [n for n in names if n != "fastbert"]
+    head = ["model", "dtype", "shape", "tokens (real/padded)", *[f"{n} ms" for n in names],
+            *[f"vs {n}" for n in others], "fastbert % of GEMM rate"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r.model, r.dtype, r.shape, f"{r.tokens}/{r.padded_tokens}"]
+        cells += [f"{r.ms[n]:.1f}" if n in r.ms else "n/a" for n in names]
+        cells += [f"{r.ms[n] / r.ms['fastbert']:.2f}x" if n in r.ms and "fastbert" in r.ms else "n/a" for n in others]
+        cells.append(f"{100 * r.gemm_fraction:.0f}%" if r.gemm_fraction else "n/a")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("GEMM rate (oneDNN packed, 1024x768x3072, same run): "
+                 + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in rates.items()))
+    notes = {(n, why) for r in rows for n, why in r.skipped.items()}
+    for n, why in sorted(notes):
+        lines.append(f"- {n} n/a: {why}")
+    return "\n".join(lines)
+
+
+def chart(rows: list[Row], names: list[str], path: str) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib not installed: no chart"
+    others = [n for n in names if n != "fastbert"]
+    labels = [f"{r.model}\n{r.dtype}\n{r.shape}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(rows)), 4.5))
+    width = 0.8 / max(len(others), 1)
+    for k, n in enumerate(others):
+        values = [r.ms[n] / r.ms["fastbert"] if n in r.ms and "fastbert" in r.ms else 0 for r in rows]
+        ax.bar([i + k * width for i in range(len(rows))], values, width, label=f"vs {n}")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([i + width * (len(others) - 1) / 2 for i in range(len(rows))], labels, fontsize=7)
+    ax.set_ylabel("fastbert speedup (x)")
+    ax.set_title(f"fastbert vs others, {torch.get_num_threads()} CPU threads (higher is better)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def run(models=("minilm", "base"), dtypes=("fp32",), shapes=SHAPES, competitors=DEFAULT_COMPETITORS, rounds=7,
+        out_dir="benchmarks/out", backend=None) -> list[Row]:
+    os.makedirs(out_dir, exist_ok=True)
+    rates = {d: gemm_rate(DTYPES[d]) for d in dtypes}
+    log("GEMM rate: " + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in rates.items()))
+    rows = []
+    for model in models:
+        for dname in dtypes:
+            dtype = DTYPES[dname]
+            log(f"[{model} {dname}] loading models and building competitors ...")
+            ours, eager, sdpa = load_models(model, dtype)
+            built = build_competitors(competitors, ours, eager, sdpa, dtype, os.path.join(out_dir, f"onnx-{model}"))
+            reference = Competitor("transformers eager", hf_runner(eager))  # parity reference, not timed
+            for shape in shapes:
+                ids, mask = make_batch(shape, ours.config.vocab_size)
+                log(f"[{model} {dname} {shape}] checking parity and timing {rounds} alternating rounds ...")
+                with fastbert.use_backend(backend) if backend else contextlib.nullcontext():
+                    ms, skipped = measure(built, reference, ids, mask, dtype, rounds)
+                row = Row(model, dname, shape, int(mask.sum()), mask.numel(), ms, skipped, useful_flops(ours.config, mask) / 1e9)
+                if "fastbert" in ms:
+                    row.gemm_fraction = row.gflop / (ms["fastbert"] / 1e3) / rates[dname]
+                rows.append(row)
+                log("    " + ", ".join(f"{k} {v:.1f} ms" for k, v in ms.items()))
+    names = list(competitors)
+    table = markdown(rows, names, rates)
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "gemm_gflops": rates, "command": " ".join(sys.argv)}
+    with open(os.path.join(out_dir, "bench.json"), "w") as f:
+        json.dump({"meta": meta, "rows": [r.__dict__ for r in rows]}, f, indent=2)
+    png = chart(rows, names, os.path.join(out_dir, "bench.png"))
+    print(table)
+    print(f"\nJSON: {os.path.join(out_dir, 'bench.json')}; chart: {png}")
+    return rows

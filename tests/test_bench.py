@@ -1,0 +1,40 @@
+"""`python -m fastbert bench` runs end to end: parity checked, table, JSON and chart written."""
+import json
+import subprocess
+import sys
+
+import torch
+
+from fastbert import bench
+
+
+def test_make_batch_ragged_is_fixed_and_padded():
+    ids, mask = bench.make_batch("ragged32", 30522)
+    ids2, mask2 = bench.make_batch("ragged32", 30522)
+    assert torch.equal(ids, ids2) and ids.shape[0] == 32
+    lengths = mask.sum(1)
+    assert int(lengths.min()) >= 16 and int(lengths.max()) <= 128 and int(lengths.max()) == ids.shape[1]
+    assert bool((ids[mask == 0] == 0).all())
+
+
+def test_useful_flops_counts_real_tokens_only():
+    cfg = bench.fastbert.BertConfig.base()
+    full = bench.useful_flops(cfg, torch.ones(1, 128))
+    half = bench.useful_flops(cfg, torch.cat([torch.ones(1, 64), torch.zeros(1, 64)], 1))
+    assert 0.45 * full < half < 0.5 * full  # attention is quadratic, GEMMs linear
+    assert abs(full - 12 * (2 * (4 * 768**2 + 2 * 768 * 3072) * 128 + 4 * 768 * 128**2)) < 1
+
+
+def test_bench_command_end_to_end(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "fastbert", "bench", "--models", "minilm", "--shapes", "1x128,ragged32",
+         "--competitors", "fastbert,hf-sdpa", "--rounds", "1", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "| minilm | fp32 | ragged32 |" in out.stdout and "vs hf-sdpa" in out.stdout
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert {r["shape"] for r in data["rows"]} == {"1x128", "ragged32"}
+    for row in data["rows"]:
+        assert set(row["ms"]) == {"fastbert", "hf-sdpa"}, row["skipped"]  # both passed the parity check
+        assert row["gemm_fraction"] > 0
+    assert (tmp_path / "bench.png").stat().st_size > 1000
