@@ -89,7 +89,7 @@ def machine_reasons(backend: str) -> tuple[str, ...]:
 class Impl:
     fn: Callable
     support: Support
-    extra_reasons: Callable[[dict], list[str]] | None = None  # op-specific checks beyond Support
+    extra_reasons: Callable[["Facts"], list[str]] | None = None  # op-specific checks beyond Support
 
 
 _REGISTRY: dict[str, dict[str, Impl]] = {op: {} for op in OPS}
@@ -117,12 +117,33 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def not_supported_reasons(op: str, backend: str, inputs: dict) -> list[str]:
-    """Why `backend` cannot run `op` on `inputs`, in words; empty when it can.
+@dataclass(frozen=True)
+class Facts:
+    """The static facts of a call that selection may depend on (so it holds under torch.compile)."""
 
-    `inputs` holds the call's static facts: `tensors` (the tensor arguments), and flags such as
-    `head_dim`, `dropout_p`, `need_weights`.
-    """
+    devices: tuple[str, ...]
+    dtypes: tuple[torch.dtype, ...]
+    head_dim: int | None = None
+    dropout_p: float = 0.0
+    need_weights: bool = False
+
+
+def facts(inputs: dict) -> Facts:
+    """`inputs`: `tensors` (the call's tensor arguments) and flags `head_dim`, `dropout_p`, `need_weights`."""
+    tensors = [t for t in inputs.get("tensors", ()) if t is not None]
+    return Facts(
+        devices=tuple(sorted({t.device.type for t in tensors})),
+        dtypes=tuple(sorted({t.dtype for t in tensors if t.is_floating_point()}, key=str)),
+        head_dim=inputs.get("head_dim"),
+        dropout_p=float(inputs.get("dropout_p", 0.0)),
+        need_weights=bool(inputs.get("need_weights", False)),
+    )
+
+
+def not_supported_reasons(op: str, backend: str, inputs: dict | Facts, forced: bool = False) -> list[str]:
+    """Why `backend` cannot run `op` on `inputs` (a dict as `facts` takes, or Facts), in words;
+    empty when it can."""
+    f = inputs if isinstance(inputs, Facts) else facts(inputs)
     impl = _REGISTRY[op].get(backend)
     if impl is None:
         return [f"{backend} has no {op} implementation yet"]
@@ -130,26 +151,23 @@ def not_supported_reasons(op: str, backend: str, inputs: dict) -> list[str]:
     if reasons:
         return reasons
     s = impl.support
-    tensors = [t for t in inputs.get("tensors", ()) if t is not None]
-    devices = {t.device.type for t in tensors}
-    bad_devices = sorted(devices - set(s.devices))
+    bad_devices = sorted(set(f.devices) - set(s.devices))
     if bad_devices:
         reasons.append(f"tensors on {', '.join(bad_devices)} (supported: {', '.join(s.devices)})")
-    if backend == "triton" and devices == {"cpu"} and "cpu" in s.devices and not inputs.get("forced"):
+    if backend == "triton" and f.devices == ("cpu",) and "cpu" in s.devices and not forced:
         # The interpreter is a correctness tool, ~10^4 x slower than torch: only when asked for.
         reasons.append("CPU tensors run through the Triton interpreter only when triton is forced")
-    dtypes = {t.dtype for t in tensors if t.is_floating_point()}
-    for dt in sorted(dtypes - set(s.dtypes), key=str):
-        reasons.append(f"dtype {_dtype_name(dt)} (supported: {', '.join(map(_dtype_name, s.dtypes))})")
-    head_dim = inputs.get("head_dim")
-    if s.head_dims is not None and head_dim is not None and head_dim not in s.head_dims:
-        reasons.append(f"head_dim {head_dim} (supported: {', '.join(map(str, s.head_dims))})")
-    if inputs.get("dropout_p", 0.0) > 0 and not s.dropout:
-        reasons.append(f"dropout_p={inputs['dropout_p']} (this backend has no dropout)")
-    if inputs.get("need_weights") and not s.probabilities:
+    for dt in f.dtypes:
+        if dt not in s.dtypes:
+            reasons.append(f"dtype {_dtype_name(dt)} (supported: {', '.join(map(_dtype_name, s.dtypes))})")
+    if s.head_dims is not None and f.head_dim is not None and f.head_dim not in s.head_dims:
+        reasons.append(f"head_dim {f.head_dim} (supported: {', '.join(map(str, s.head_dims))})")
+    if f.dropout_p > 0 and not s.dropout:
+        reasons.append(f"dropout_p={f.dropout_p} (this backend has no dropout)")
+    if f.need_weights and not s.probabilities:
         reasons.append("output_attentions needs the attention probabilities, which this backend never materializes")
     if impl.extra_reasons is not None:
-        reasons.extend(impl.extra_reasons(inputs))
+        reasons.extend(impl.extra_reasons(f))
     return reasons
 
 
@@ -259,12 +277,22 @@ def _log_fallback_once(op: str, skipped: dict[str, list[str]]) -> None:
     logger.warning("fastbert: %s falls back to the reference (%s)", op, text)
 
 
-def select(op: str, inputs: dict) -> tuple[str, dict[str, list[str]]]:
+def select(op: str, inputs: dict | Facts) -> tuple[str, dict[str, list[str]]]:
     """The backend that runs `op` on `inputs`, and the reasons of each backend passed over."""
+    f = inputs if isinstance(inputs, Facts) else facts(inputs)
+    dtypes = tuple(_dtype_name(d) for d in f.dtypes)
+    return _select(op, f.devices, dtypes, f.head_dim, f.dropout_p, f.need_weights)
+
+
+# Under torch.compile the choice is made once, while tracing, and baked into the graph: it reads
+# only static facts (passed as plain constants) and the overrides in force at that moment.
+@torch.compiler.assume_constant_result
+def _select(op, devices, dtype_names, head_dim, dropout_p, need_weights) -> tuple[str, dict[str, list[str]]]:
+    f = Facts(devices, tuple(getattr(torch, d) for d in dtype_names), head_dim, dropout_p, need_weights)
     forced = forced_backend(op)
     if forced is not None:
         backend, where = forced
-        reasons = not_supported_reasons(op, backend, {**inputs, "forced": True})
+        reasons = not_supported_reasons(op, backend, f, forced=True)
         if reasons:
             raise BackendUnavailable(
                 f"{op}: backend {backend!r} was forced ({where}) but cannot serve this call: " + "; ".join(reasons)
@@ -272,11 +300,11 @@ def select(op: str, inputs: dict) -> tuple[str, dict[str, list[str]]]:
         return backend, {}
     skipped: dict[str, list[str]] = {}
     for backend in BACKENDS:
-        reasons = not_supported_reasons(op, backend, inputs)
+        reasons = not_supported_reasons(op, backend, f)
         if not reasons:
             # Backends that serve other devices are not a fallback worth telling anyone about.
-            devices = {t.device.type for t in inputs.get("tensors", ()) if t is not None}
-            relevant = {b: r for b, r in skipped.items() if _REGISTRY[op].get(b) and devices & set(_REGISTRY[op][b].support.devices)}
+            relevant = {b: r for b, r in skipped.items()
+                        if _REGISTRY[op].get(b) and set(f.devices) & set(_REGISTRY[op][b].support.devices)}
             if backend == "reference" and relevant:
                 _log_fallback_once(op, relevant)
             return backend, skipped

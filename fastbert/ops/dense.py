@@ -73,7 +73,7 @@ def _needs_grad(*tensors) -> bool:
 
 
 @dispatch.register("dense", "cpu", dispatch.Support(("cpu",), (torch.float32, torch.bfloat16)),
-                   extra_reasons=lambda inputs: _onednn.missing())
+                   extra_reasons=lambda facts: _onednn.missing())
 def _cpu(x, weight, bias, activation):
     if activation != "none" and bias is not None and _needs_grad(x, weight, bias):
         # Keep the pre-activation for backward: GEMM, then the bias_gelu kernel (saves x + bias's input).

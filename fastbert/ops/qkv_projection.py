@@ -33,7 +33,7 @@ dispatch.register("qkv_projection", "reference", dispatch.Support(("cpu", "cuda"
 
 
 @dispatch.register("qkv_projection", "cpu", dispatch.Support(("cpu",), (torch.float32, torch.bfloat16)),
-                   extra_reasons=lambda inputs: _onednn.missing())
+                   extra_reasons=lambda facts: _onednn.missing())
 def _cpu(x, weight, bias, num_heads):
     qkv = torch.ops.fastbert.dense_cpu(x, weight, bias, "none")  # [..., 3H], one GEMM
     head_dim = x.shape[-1] // num_heads
