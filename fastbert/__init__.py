@@ -2,8 +2,13 @@
 from fastbert import dispatch, ops
 from fastbert.config import BertConfig
 from fastbert.dispatch import BackendUnavailable, use_backend
+from fastbert.heads import (BertForMaskedLM, BertForPreTraining, BertForQuestionAnswering,
+                            BertForSequenceClassification, BertForTokenClassification)
+from fastbert.hf import optimize, register_attention
 from fastbert.model import BertModel, BertModelOutput, BertPreTrainedModel
 
 __version__ = "0.1.0"
-__all__ = ["BertConfig", "BertModel", "BertModelOutput", "BertPreTrainedModel", "BackendUnavailable",
-           "dispatch", "ops", "use_backend"]
+__all__ = ["BertConfig", "BertModel", "BertModelOutput", "BertPreTrainedModel", "BertForMaskedLM",
+           "BertForPreTraining", "BertForSequenceClassification", "BertForTokenClassification",
+           "BertForQuestionAnswering", "BackendUnavailable", "dispatch", "ops", "optimize", "register_attention",
+           "use_backend"]

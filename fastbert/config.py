@@ -10,6 +10,8 @@ from typing import Any
 # hidden_act -> the GELU approximation fastbert's kernels compute (the tanh forms are one formula).
 HIDDEN_ACTS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
 
+PROBLEM_TYPES = (None, "regression", "single_label_classification", "multi_label_classification")
+
 PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512),
     "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
@@ -34,10 +36,16 @@ class BertConfig:
     pad_token_id: int = 0
     position_embedding_type: str = "absolute"
     classifier_dropout: float | None = None
+    # Task heads. As in transformers, id2label (kept in `extra`) decides num_labels when it is given;
+    # problem_type None lets BertForSequenceClassification infer it from num_labels and the labels.
+    num_labels: int | None = None
+    problem_type: str | None = None
     # Fields fastbert does not use but must write back unchanged (architectures, id2label, ...).
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
+        if self.num_labels is None:
+            self.num_labels = len(self.extra["id2label"]) if self.extra.get("id2label") else 2
         self.validate()
 
     @property
@@ -67,6 +75,16 @@ class BertConfig:
                 raise ValueError(f"BertConfig.{name} must be in [0, 1), got {value!r}")
         if not (isinstance(self.layer_norm_eps, (int, float)) and self.layer_norm_eps > 0):
             raise ValueError(f"BertConfig.layer_norm_eps must be positive, got {self.layer_norm_eps!r}")
+        if isinstance(self.num_labels, bool) or not isinstance(self.num_labels, int) or self.num_labels <= 0:
+            raise ValueError(f"BertConfig.num_labels must be a positive integer, got {self.num_labels!r}")
+        id2label = self.extra.get("id2label")
+        if id2label and len(id2label) != self.num_labels:
+            raise ValueError(f"BertConfig.num_labels ({self.num_labels}) does not match id2label ({len(id2label)} labels)")
+        if self.problem_type not in PROBLEM_TYPES:
+            raise ValueError(f"BertConfig.problem_type {self.problem_type!r} is not one of {PROBLEM_TYPES}")
+        if self.problem_type == "single_label_classification" and self.num_labels == 1:
+            raise ValueError("BertConfig.problem_type 'single_label_classification' needs num_labels > 1 "
+                             "(use num_labels=2 for binary, or problem_type 'regression')")
         if self.position_embedding_type != "absolute":
             raise ValueError(
                 f"BertConfig.position_embedding_type {self.position_embedding_type!r} is not supported (only 'absolute')"

@@ -14,14 +14,9 @@ from fastbert import dispatch, ops, padding
 from fastbert.config import BertConfig
 
 
-@dataclass
-class BertModelOutput:
-    """Like transformers' output: attributes, and indexing over the fields that are set (out[0], out[1])."""
-
-    last_hidden_state: torch.Tensor
-    pooler_output: torch.Tensor | None = None
-    hidden_states: tuple[torch.Tensor, ...] | None = None
-    attentions: tuple[torch.Tensor, ...] | None = None
+class ModelOutput:
+    """Base of the output dataclasses. Like transformers' outputs: attributes, and indexing over the
+    fields that are set (out[0], out[1])."""
 
     def to_tuple(self) -> tuple:
         return tuple(getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None)
@@ -38,6 +33,19 @@ class BertModelOutput:
         return len(self.to_tuple())
 
 
+@dataclass
+class BertModelOutput(ModelOutput):
+    last_hidden_state: torch.Tensor
+    pooler_output: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
+
+
+def dense_activation(config: BertConfig) -> str:
+    """config.hidden_act as the `activation` argument of fastbert.ops.dense."""
+    return "gelu" if config.gelu_approximate == "none" else "gelu_tanh"
+
+
 class BertEmbeddings(nn.Module):
     def __init__(self, config: BertConfig):
         super().__init__()
@@ -46,12 +54,11 @@ class BertEmbeddings(nn.Module):
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
-        self.register_buffer("position_ids", torch.arange(config.max_position_embeddings)[None], persistent=False)
 
     def forward(self, input_ids, token_type_ids=None, position_ids=None):
         s = input_ids.shape[1]
-        if position_ids is None:
-            position_ids = self.position_ids[:, :s]
+        if position_ids is None:  # made here, not kept in a buffer: optimize() shares HF's leaf modules
+            position_ids = torch.arange(s, device=input_ids.device)[None]
         words = self.word_embeddings(input_ids)  # [B, S, H]
         if token_type_ids is None:
             types = self.token_type_embeddings.weight[0]  # type 0 everywhere, without a gather
@@ -128,7 +135,7 @@ class BertIntermediate(nn.Module):
     def __init__(self, config: BertConfig):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.activation = "gelu" if config.gelu_approximate == "none" else "gelu_tanh"
+        self.activation = dense_activation(config)
 
     def forward(self, x):
         return ops.dense(x, self.dense.weight, self.dense.bias, activation=self.activation)  # [B, S, I]
@@ -184,6 +191,9 @@ class BertPreTrainedModel(nn.Module):
 
     config_class = BertConfig
     base_model_prefix = "bert"
+    # {parameter name: the parameter it shares}, as transformers declares them. hf.py saves only the
+    # shared one (safetensors stores one name per storage) and never asks a checkpoint for the alias.
+    _tied_weights_keys: dict[str, str] = {}
 
     def __init__(self, config: BertConfig):
         super().__init__()
@@ -192,9 +202,10 @@ class BertPreTrainedModel(nn.Module):
         config.validate()
         self.config = config
 
-    def init_weights(self) -> None:
+    def init_weights(self, root: nn.Module | None = None) -> None:
+        """HF's initialization for every module under `root` (default: the whole model)."""
         std = self.config.initializer_range
-        for module in self.modules():
+        for module in (self if root is None else root).modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=std)
                 if module.bias is not None:
@@ -207,6 +218,19 @@ class BertPreTrainedModel(nn.Module):
             elif isinstance(module, nn.LayerNorm):
                 nn.init.ones_(module.weight)
                 nn.init.zeros_(module.bias)
+
+    def tie_weights(self) -> None:
+        """Make each name in _tied_weights_keys an alias of its source Parameter (config.tie_word_embeddings,
+        as in transformers, turns all of them off)."""
+        if not self.config.extra.get("tie_word_embeddings", True):
+            return
+        for target, source in self._tied_weights_keys.items():
+            module, _, name = target.rpartition(".")
+            setattr(self.get_submodule(module), name, self.get_parameter(source))
+
+    def tied_weights(self) -> dict[str, str]:
+        """The entries of _tied_weights_keys that are tied in this model right now."""
+        return {t: s for t, s in self._tied_weights_keys.items() if self.get_parameter(t) is self.get_parameter(s)}
 
     @classmethod
     def from_pretrained(cls, directory, dtype: torch.dtype | None = None, **kwargs):
@@ -278,15 +302,17 @@ class BertModel(BertPreTrainedModel):
         return dispatch.prefers_varlen(x, self.config.head_dim, dropout_p) and padding.worth_unpadding(attention_mask)
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
-                output_hidden_states: bool = False, output_attentions: bool = False, return_dict: bool = True):
+                output_hidden_states: bool = False, output_attentions: bool = False, return_dict: bool = True,
+                allow_unpadding: bool = True):
         """Outputs as transformers' BertModel. With padding and a varlen kernel, the encoder runs on
-        packed tokens and last_hidden_state (and hidden_states) hold zeros at pad positions."""
+        packed tokens and last_hidden_state (and hidden_states) hold zeros at pad positions;
+        allow_unpadding=False runs pad tokens through the encoder, for callers that read those positions."""
         self.check_inputs(input_ids, attention_mask, token_type_ids, position_ids)
         if attention_mask is not None:
             attention_mask = attention_mask.bool()  # [B, S], True = token
         x = self.embeddings(input_ids, token_type_ids, position_ids)  # [B, S, H]
         packing = None
-        if attention_mask is not None and not output_attentions and self.padding_free(x, attention_mask):
+        if attention_mask is not None and allow_unpadding and not output_attentions and self.padding_free(x, attention_mask):
             packing = padding.packing(attention_mask)
             x = padding.unpad(x, packing)  # [T, H]: pad tokens never enter the encoder
         x, hidden_states, attentions = self.encoder(x, attention_mask, output_hidden_states, output_attentions, packing)

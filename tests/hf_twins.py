@@ -5,12 +5,13 @@ import transformers
 import fastbert
 
 
-def twins(attn_implementation="sdpa", **config):
-    """(fastbert model, transformers model) in eval mode with the same random weights."""
+def twins(attn_implementation="sdpa", model_class="BertModel", **config):
+    """(fastbert model, transformers model) of `model_class` (BertModel or a BertFor* name) in eval
+    mode with the same random weights."""
     cfg = fastbert.BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **config)
-    ours = fastbert.BertModel(cfg).eval()
+    ours = getattr(fastbert, model_class)(cfg).eval()
     hf_cfg = transformers.BertConfig(**cfg.to_dict())
-    theirs = transformers.BertModel._from_config(hf_cfg, attn_implementation=attn_implementation).eval()
+    theirs = getattr(transformers, model_class)._from_config(hf_cfg, attn_implementation=attn_implementation).eval()
     theirs.load_state_dict(ours.state_dict(), strict=True)
     return ours, theirs
 

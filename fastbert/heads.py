@@ -1,0 +1,267 @@
+"""Task heads on the encoder, built as transformers builds them: HF's module and parameter names,
+forward arguments, output fields and losses, so checkpoints and training code carry over unchanged.
+
+Heads compute logits at every position, as HF does. Where the encoder ran padding-free its pad
+positions hold zeros, so logits at pad positions differ from HF's; every loss that ignores pads
+(labels -100 there) is HF's. Shapes: B batch, S sequence, H hidden, V vocab, L num_labels.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastbert import ops
+from fastbert.config import BertConfig
+from fastbert.model import BertModel, BertPreTrainedModel, ModelOutput, dense_activation
+
+States = tuple[torch.Tensor, ...] | None
+
+
+@dataclass
+class LogitsOutput(ModelOutput):
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    hidden_states: States = None
+    attentions: States = None
+
+
+class MaskedLMOutput(LogitsOutput):
+    """logits: [B, S, V]"""
+
+
+class SequenceClassifierOutput(LogitsOutput):
+    """logits: [B, L]"""
+
+
+class TokenClassifierOutput(LogitsOutput):
+    """logits: [B, S, L]"""
+
+
+@dataclass
+class BertForPreTrainingOutput(ModelOutput):
+    loss: torch.Tensor | None = None
+    prediction_logits: torch.Tensor | None = None  # [B, S, V]
+    seq_relationship_logits: torch.Tensor | None = None  # [B, 2]
+    hidden_states: States = None
+    attentions: States = None
+
+
+@dataclass
+class QuestionAnsweringModelOutput(ModelOutput):
+    loss: torch.Tensor | None = None
+    start_logits: torch.Tensor | None = None  # [B, S]
+    end_logits: torch.Tensor | None = None  # [B, S]
+    hidden_states: States = None
+    attentions: States = None
+
+
+def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return ops.dense(x, layer.weight, layer.bias)
+
+
+def classifier_dropout(config: BertConfig) -> float:
+    return config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+
+
+# ---------------------------------------------------------------------------------- head modules
+
+
+class BertPredictionHeadTransform(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.activation = dense_activation(config)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, x):
+        # No residual here, so a plain LayerNorm rather than the fused add_layer_norm.
+        return self.LayerNorm(ops.dense(x, self.dense.weight, self.dense.bias, activation=self.activation))
+
+
+class BertLMPredictionHead(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.transform = BertPredictionHeadTransform(config)
+        # The model ties decoder.weight to the word embeddings and decoder.bias to `bias` (tie_weights).
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+
+    def forward(self, x):
+        return linear(self.decoder, self.transform(x))  # [B, S, V]
+
+
+class BertOnlyMLMHead(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.predictions = BertLMPredictionHead(config)
+
+    def forward(self, sequence_output):
+        return self.predictions(sequence_output)
+
+
+class BertPreTrainingHeads(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.predictions = BertLMPredictionHead(config)
+        self.seq_relationship = nn.Linear(config.hidden_size, 2)
+
+    def forward(self, sequence_output, pooled_output):
+        return self.predictions(sequence_output), linear(self.seq_relationship, pooled_output)  # [B, S, V], [B, 2]
+
+
+_MLM_TIES = {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
+             "cls.predictions.decoder.bias": "cls.predictions.bias"}
+
+
+def _finish(out: ModelOutput, return_dict: bool):
+    return out if return_dict else out.to_tuple()
+
+
+# ---------------------------------------------------------------------------------- models
+
+
+class BertForMaskedLM(BertPreTrainedModel):
+    _tied_weights_keys = _MLM_TIES
+
+    def __init__(self, config: BertConfig):
+        super().__init__(config)
+        self.bert = BertModel(config, add_pooling_layer=False)
+        self.cls = BertOnlyMLMHead(config)
+        self.init_weights(self.cls)  # the encoder initialized itself
+        self.tie_weights()
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
+                output_hidden_states: bool = False, output_attentions: bool = False, return_dict: bool = True):
+        """labels [B, S]: token ids to predict, -100 where no prediction is scored."""
+        out = self.bert(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
+                        output_hidden_states=output_hidden_states, output_attentions=output_attentions)
+        logits = self.cls(out.last_hidden_state)  # [B, S, V]
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.reshape(-1, self.config.vocab_size), labels.reshape(-1), ignore_index=-100)
+        return _finish(MaskedLMOutput(loss, logits, out.hidden_states, out.attentions), return_dict)
+
+
+class BertForPreTraining(BertPreTrainedModel):
+    _tied_weights_keys = _MLM_TIES
+
+    def __init__(self, config: BertConfig):
+        super().__init__(config)
+        self.bert = BertModel(config)
+        self.cls = BertPreTrainingHeads(config)
+        self.init_weights(self.cls)
+        self.tie_weights()
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
+                next_sentence_label=None, output_hidden_states: bool = False, output_attentions: bool = False,
+                return_dict: bool = True):
+        """labels [B, S] as for BertForMaskedLM; next_sentence_label [B]: 0 = B follows A, 1 = random.
+        The loss (MLM + NSP) needs both, as in transformers."""
+        out = self.bert(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
+                        output_hidden_states=output_hidden_states, output_attentions=output_attentions)
+        prediction_logits, seq_logits = self.cls(out.last_hidden_state, out.pooler_output)
+        loss = None
+        if labels is not None and next_sentence_label is not None:
+            mlm = F.cross_entropy(prediction_logits.reshape(-1, self.config.vocab_size), labels.reshape(-1), ignore_index=-100)
+            nsp = F.cross_entropy(seq_logits.reshape(-1, 2), next_sentence_label.reshape(-1))
+            loss = mlm + nsp
+        return _finish(BertForPreTrainingOutput(loss, prediction_logits, seq_logits, out.hidden_states, out.attentions),
+                       return_dict)
+
+
+class _Classifier(BertPreTrainedModel):
+    """The encoder, dropout and a `classifier` linear layer: what sequence and token classification share."""
+
+    def __init__(self, config: BertConfig, add_pooling_layer: bool):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.bert = BertModel(config, add_pooling_layer=add_pooling_layer)
+        self.dropout = nn.Dropout(classifier_dropout(config))
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.init_weights(self.classifier)
+
+
+class BertForSequenceClassification(_Classifier):
+    def __init__(self, config: BertConfig):
+        super().__init__(config, add_pooling_layer=True)
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
+                output_hidden_states: bool = False, output_attentions: bool = False, return_dict: bool = True):
+        """labels [B]: class ids (single label), floats (regression), or [B, L] floats (multi label)."""
+        out = self.bert(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
+                        output_hidden_states=output_hidden_states, output_attentions=output_attentions)
+        logits = linear(self.classifier, self.dropout(out.pooler_output))  # [B, L]
+        loss = self.loss(logits, labels) if labels is not None else None
+        return _finish(SequenceClassifierOutput(loss, logits, out.hidden_states, out.attentions), return_dict)
+
+    def loss(self, logits, labels):
+        cfg = self.config
+        if cfg.problem_type is None:
+            # Inferred at the first labelled call and kept in the config, as transformers does, so a
+            # saved config tells transformers the same thing.
+            if self.num_labels == 1:
+                cfg.problem_type = "regression"
+            elif labels.dtype in (torch.long, torch.int):
+                cfg.problem_type = "single_label_classification"
+            else:
+                cfg.problem_type = "multi_label_classification"
+        if cfg.problem_type == "regression":
+            if self.num_labels == 1:
+                return F.mse_loss(logits.squeeze(), labels.squeeze())
+            return F.mse_loss(logits, labels)
+        if cfg.problem_type == "single_label_classification":
+            return F.cross_entropy(logits.reshape(-1, self.num_labels), labels.reshape(-1))
+        return F.binary_cross_entropy_with_logits(logits, labels)
+
+
+class BertForTokenClassification(_Classifier):
+    def __init__(self, config: BertConfig):
+        super().__init__(config, add_pooling_layer=False)
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
+                output_hidden_states: bool = False, output_attentions: bool = False, return_dict: bool = True):
+        """labels [B, S]: class ids, -100 where no prediction is scored (pads, word-piece continuations)."""
+        out = self.bert(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
+                        output_hidden_states=output_hidden_states, output_attentions=output_attentions)
+        logits = linear(self.classifier, self.dropout(out.last_hidden_state))  # [B, S, L]
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.reshape(-1, self.num_labels), labels.reshape(-1), ignore_index=-100)
+        return _finish(TokenClassifierOutput(loss, logits, out.hidden_states, out.attentions), return_dict)
+
+
+class BertForQuestionAnswering(BertPreTrainedModel):
+    def __init__(self, config: BertConfig):
+        super().__init__(config)
+        if config.num_labels != 2:
+            raise ValueError(f"BertForQuestionAnswering needs num_labels == 2 (start and end logits), got {config.num_labels}")
+        self.num_labels = config.num_labels
+        self.bert = BertModel(config, add_pooling_layer=False)
+        self.qa_outputs = nn.Linear(config.hidden_size, config.num_labels)
+        self.init_weights(self.qa_outputs)
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, start_positions=None,
+                end_positions=None, output_hidden_states: bool = False, output_attentions: bool = False,
+                return_dict: bool = True):
+        """start_positions, end_positions [B]: token index of the answer span; an index past the input
+        is ignored. The loss needs both, as in transformers."""
+        with_loss = start_positions is not None and end_positions is not None
+        # transformers' span loss takes its softmax over every position, pads included, so with a loss
+        # the pad tokens must run through the encoder as they do there.
+        out = self.bert(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
+                        output_hidden_states=output_hidden_states, output_attentions=output_attentions,
+                        allow_unpadding=not with_loss)
+        logits = linear(self.qa_outputs, out.last_hidden_state)  # [B, S, 2]
+        start_logits, end_logits = (t.contiguous() for t in logits.unbind(-1))  # [B, S] each
+        loss = None
+        if with_loss:
+            # A position past the input is clamped to S, and class S is ignored.
+            s = start_logits.shape[1]
+            start = start_positions.reshape(-1).clamp(0, s)
+            end = end_positions.reshape(-1).clamp(0, s)
+            loss = (F.cross_entropy(start_logits, start, ignore_index=s) + F.cross_entropy(end_logits, end, ignore_index=s)) / 2
+        return _finish(QuestionAnsweringModelOutput(loss, start_logits, end_logits, out.hidden_states, out.attentions),
+                       return_dict)

@@ -1,0 +1,130 @@
+"""fastbert.optimize() on transformers and sentence-transformers models, and attn_implementation="fastbert"."""
+import copy
+
+import pytest
+import torch
+import transformers
+
+import fastbert
+from fastbert.demo import SENTENCES, minilm_dir
+from fastbert.testing import rel_err
+from hf_twins import padded_batch
+
+SMALL = dict(vocab_size=120, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+def ran_fastbert(calls) -> bool:
+    return any(op in ("attention", "varlen_attention") for op, _ in calls)
+
+
+def test_optimize_bert_model_same_numbers_shared_weights():
+    hf = transformers.BertModel(transformers.BertConfig(**SMALL)).eval()
+    plain = copy.deepcopy(hf)
+    params_before = {n: p.data_ptr() for n, p in hf.named_parameters()}
+    keys_before = list(hf.state_dict())
+    assert fastbert.optimize(hf) is hf
+    assert {n: p.data_ptr() for n, p in hf.named_parameters()} == params_before  # shared, not copied
+    assert list(hf.state_dict()) == keys_before
+    ids, mask, types = padded_batch(120, [9, 4, 1])
+    with fastbert.dispatch.record() as calls:
+        a = hf(input_ids=ids, attention_mask=mask, token_type_ids=types)
+    b = plain(input_ids=ids, attention_mask=mask, token_type_ids=types)
+    assert ran_fastbert(calls)
+    real = mask.bool()
+    assert rel_err(a.last_hidden_state[real], b.last_hidden_state[real]) <= 1e-5
+    assert rel_err(a.pooler_output, b.pooler_output) <= 1e-5
+    assert isinstance(a, type(b)) and torch.equal(a[0], a.last_hidden_state)
+
+
+def test_optimize_sequence_classification_logits_loss_and_gradients():
+    hf = transformers.BertForSequenceClassification(transformers.BertConfig(**SMALL, num_labels=3)).eval()
+    plain = copy.deepcopy(hf)
+    fastbert.optimize(hf)
+    ids, mask, types = padded_batch(120, [9, 4, 1])
+    labels = torch.tensor([0, 2, 1])
+    a = hf(input_ids=ids, attention_mask=mask, token_type_ids=types, labels=labels)
+    b = plain(input_ids=ids, attention_mask=mask, token_type_ids=types, labels=labels)
+    assert rel_err(a.logits, b.logits) <= 1e-5 and rel_err(a.loss, b.loss) <= 1e-5
+    a.loss.backward()
+    b.loss.backward()
+    theirs = dict(plain.named_parameters())
+    noise = 1e-6 * max(float(p.grad.norm()) for p in plain.parameters())
+    for name, p in hf.named_parameters():
+        ref = theirs[name].grad
+        if ref.norm() <= noise:
+            assert p.grad.norm() <= noise, name
+        else:
+            assert rel_err(p.grad, ref) <= 1e-4, name
+
+
+def test_optimize_follows_device_dtype_and_train_mode():
+    hf = transformers.BertModel(transformers.BertConfig(**SMALL)).eval()
+    plain = copy.deepcopy(hf).to(torch.bfloat16)
+    fastbert.optimize(hf).to(torch.bfloat16)  # shared parameters move with the transformers model
+    ids = torch.randint(1, 120, (2, 6))
+    a, b = hf(input_ids=ids).last_hidden_state, plain(input_ids=ids).last_hidden_state
+    assert a.dtype == torch.bfloat16 and rel_err(a.float(), b.float()) <= 3e-2
+    hf.train()
+    hf(input_ids=ids)
+    assert hf._fastbert_encoder.training  # the encoder follows train() / eval() of the model it serves
+    hf.eval()
+    hf(input_ids=ids)
+    assert not hf._fastbert_encoder.training
+
+
+def test_unsupported_models_raise_and_stay_untouched():
+    relative = transformers.BertModel(transformers.BertConfig(**SMALL, position_embedding_type="relative_key"))
+    forward = relative.forward
+    with pytest.raises(ValueError, match="position_embedding_type 'relative_key' is not supported"):
+        fastbert.optimize(relative)
+    assert relative.forward == forward and not hasattr(relative, "_fastbert_encoder")
+    gpt = transformers.GPT2Model(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    with pytest.raises(TypeError, match="fastbert.optimize supports transformers BertModel"):
+        fastbert.optimize(gpt)
+
+
+def test_arguments_fastbert_does_not_serve_go_to_transformers():
+    hf = transformers.BertModel(transformers.BertConfig(**SMALL)).eval()
+    plain = copy.deepcopy(hf)
+    fastbert.optimize(hf)
+    embeds = torch.randn(2, 5, 64)
+    with fastbert.dispatch.record() as calls:
+        a = hf(inputs_embeds=embeds).last_hidden_state
+    assert not ran_fastbert(calls)
+    assert torch.allclose(a, plain(inputs_embeds=embeds).last_hidden_state)
+
+
+def test_attn_implementation_fastbert_matches_sdpa():
+    name = fastbert.register_attention()
+    cfg = transformers.BertConfig(**SMALL)
+    sdpa = transformers.BertModel._from_config(copy.deepcopy(cfg), attn_implementation="sdpa").eval()
+    ours = transformers.BertModel._from_config(copy.deepcopy(cfg), attn_implementation=name).eval()
+    ours.load_state_dict(sdpa.state_dict())
+    ids, mask, types = padded_batch(120, [9, 4, 1])
+    with fastbert.dispatch.record() as calls:
+        a = ours(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state
+    b = sdpa(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state
+    assert [op for op, _ in calls] == ["attention"] * SMALL["num_hidden_layers"]
+    real = mask.bool()
+    assert rel_err(a[real], b[real]) <= 1e-5
+
+
+@pytest.fixture(scope="module")
+def sentence_models():
+    st = pytest.importorskip("sentence_transformers")
+    plain = st.SentenceTransformer(minilm_dir(), device="cpu")
+    optimized = fastbert.optimize(st.SentenceTransformer(minilm_dir(), device="cpu"))
+    return plain, optimized
+
+
+def test_sentence_transformers_encode_unchanged(sentence_models):
+    plain, optimized = sentence_models
+    with fastbert.dispatch.record() as calls:
+        ours = optimized.encode(SENTENCES, convert_to_tensor=True, normalize_embeddings=True)
+    theirs = plain.encode(SENTENCES, convert_to_tensor=True, normalize_embeddings=True)
+    assert ran_fastbert(calls)
+    cosine = (ours * theirs).sum(-1)
+    assert float(cosine.min()) >= 0.99999
+    sim = ours @ ours.T  # related pairs score above unrelated ones
+    assert sim[0, 1] > sim[0, 2] + 0.3 and sim[2, 3] > sim[2, 4] + 0.2
