@@ -15,10 +15,13 @@ TORCH_LIBRARY(fastbert_C, m) {
         "Tensor(a!) grad_h, Tensor(b!) grad_weight, Tensor(c!) grad_bias) -> ()");
   // q, k, v: [B, heads, S, d] with key_mask bool [B, S], or [T, heads, d] with cu_seqlens [B + 1];
   // any strides with a contiguous head dimension. lse: float32 [B, heads, S] or [heads, T].
+  // dropout_p on the probabilities, with keep decisions hashed from `seed` (backward regenerates them).
   m.def("attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? key_mask, Tensor? cu_seqlens, float scale, "
-        "Tensor(a!) out, Tensor(b!) lse) -> ()");
+        "float dropout_p, int seed, Tensor(a!) out, Tensor(b!) lse) -> ()");
   m.def("attention_bwd(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? key_mask, "
-        "Tensor? cu_seqlens, float scale, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv) -> ()");
+        "Tensor? cu_seqlens, float scale, float dropout_p, int seed, Tensor(a!) dq, Tensor(b!) dk, "
+        "Tensor(c!) dv) -> ()");
+  m.def("attention_dropout_keep(int seed, float dropout_p, int sequences, int heads, int rows, int cols) -> Tensor");
 }
 
 static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", "fastbert's compiled kernels", -1, nullptr};

@@ -124,7 +124,7 @@ class Facts:
     devices: tuple[str, ...]
     dtypes: tuple[torch.dtype, ...]
     head_dim: int | None = None
-    dropout_p: float = 0.0
+    dropout: bool = False  # dropout_p > 0: only whether, not how much, may steer the choice
     need_weights: bool = False
 
 
@@ -135,7 +135,7 @@ def facts(inputs: dict) -> Facts:
         devices=tuple(sorted({t.device.type for t in tensors})),
         dtypes=tuple(sorted({t.dtype for t in tensors if t.is_floating_point()}, key=str)),
         head_dim=inputs.get("head_dim"),
-        dropout_p=float(inputs.get("dropout_p", 0.0)),
+        dropout=True if inputs.get("dropout_p", 0.0) > 0 else False,  # a branch: dynamo specializes it
         need_weights=bool(inputs.get("need_weights", False)),
     )
 
@@ -162,8 +162,8 @@ def not_supported_reasons(op: str, backend: str, inputs: dict | Facts, forced: b
             reasons.append(f"dtype {_dtype_name(dt)} (supported: {', '.join(map(_dtype_name, s.dtypes))})")
     if s.head_dims is not None and f.head_dim is not None and f.head_dim not in s.head_dims:
         reasons.append(f"head_dim {f.head_dim} (supported: {', '.join(map(str, s.head_dims))})")
-    if f.dropout_p > 0 and not s.dropout:
-        reasons.append(f"dropout_p={f.dropout_p} (this backend has no dropout)")
+    if f.dropout and not s.dropout:
+        reasons.append("dropout_p > 0 (this backend has no dropout)")
     if f.need_weights and not s.probabilities:
         reasons.append("output_attentions needs the attention probabilities, which this backend never materializes")
     if impl.extra_reasons is not None:
@@ -281,14 +281,14 @@ def select(op: str, inputs: dict | Facts) -> tuple[str, dict[str, list[str]]]:
     """The backend that runs `op` on `inputs`, and the reasons of each backend passed over."""
     f = inputs if isinstance(inputs, Facts) else facts(inputs)
     dtypes = tuple(_dtype_name(d) for d in f.dtypes)
-    return _select(op, f.devices, dtypes, f.head_dim, f.dropout_p, f.need_weights)
+    return _select(op, f.devices, dtypes, f.head_dim, f.dropout, f.need_weights)
 
 
 # Under torch.compile the choice is made once, while tracing, and baked into the graph: it reads
 # only static facts (passed as plain constants) and the overrides in force at that moment.
 @torch.compiler.assume_constant_result
-def _select(op, devices, dtype_names, head_dim, dropout_p, need_weights) -> tuple[str, dict[str, list[str]]]:
-    f = Facts(devices, tuple(getattr(torch, d) for d in dtype_names), head_dim, dropout_p, need_weights)
+def _select(op, devices, dtype_names, head_dim, dropout, need_weights) -> tuple[str, dict[str, list[str]]]:
+    f = Facts(devices, tuple(getattr(torch, d) for d in dtype_names), head_dim, dropout, need_weights)
     forced = forced_backend(op)
     if forced is not None:
         backend, where = forced

@@ -33,7 +33,7 @@ def test_reason_lists_dtype_device_head_dim_and_probabilities():
             assert reasons == list(dispatch.machine_reasons("cuda"))
         else:
             text = " | ".join(reasons)
-            for words in ("tensors on cpu", "dtype float32", "head_dim 48", "dropout_p=0.1", "probabilities"):
+            for words in ("tensors on cpu", "dtype float32", "head_dim 48", "dropout_p > 0", "probabilities"):
                 assert words in text
     finally:
         dispatch._REGISTRY["attention"].pop("cuda")

@@ -30,6 +30,27 @@ constexpr int64_t kBlockQ = 128;
 constexpr int64_t kBlockK = 128;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
+uint64_t mix64(uint64_t z) {  // splitmix64's finalizer
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// Dropout on the attention probabilities. Keep decisions come from a counter-based hash of
+// (seed, sequence, head, query row, key), so backward regenerates forward's mask from the seed alone.
+struct Dropout {
+  float p = 0.f;
+  uint64_t seed = 0;
+  bool on() const { return p > 0.f; }
+  float scale() const { return 1.f / (1.f - p); }
+  bool keep(int64_t i, int64_t h, int64_t r, int64_t j) const {
+    uint64_t x = mix64(seed ^ mix64((uint64_t(i) << 32) ^ uint64_t(h)));
+    x = mix64(x ^ ((uint64_t(r) << 32) | uint64_t(j)));
+    return float(x >> 40) * (1.f / 16777216.f) >= p;  // a 24-bit uniform in [0, 1)
+  }
+};
+
 // C[M x N] = beta * C + alpha * A[M x K] @ B[K x N]; all row-major fp32; beta is 0 or 1.
 // Register block: R rows of A x 2 vectors of B's columns.
 template <int R>
@@ -231,7 +252,7 @@ void store_row(T* dst, const float* src, int64_t d, float scale) {
 
 template <typename T>
 void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Batch& b, float scale,
-             const at::Tensor& out, const at::Tensor& lse) {
+             const Dropout& dropout, const at::Tensor& out, const at::Tensor& lse) {
   const Layout lq = layout_of(q), lk = layout_of(k), lv = layout_of(v), lo = layout_of(out);
   const Layout ll = q.dim() == 4 ? Layout{b.heads * q.size(2), q.size(2), 1} : Layout{0, q.size(0), 1};
   const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
@@ -282,9 +303,11 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
               p.store(s + j, m);
               acc = acc + p;
             }
-            row_sum[r] = row_sum[r] * correction + reduce_sum(acc);
+            row_sum[r] = row_sum[r] * correction + reduce_sum(acc);  // the normalizer sees every probability
             row_max[r] = m_new;
             if (correction != 1.f) store_row(O.data() + r * d, O.data() + r * d, d, correction);
+            if (dropout.on())  // ... P @ V only the kept ones, scaled by 1 / (1 - p)
+              for (int64_t j = 0; j < nk; ++j) s[j] = dropout.keep(i, h, qb + r, kb + j) ? s[j] * dropout.scale() : 0.f;
           }
           gemm(false, false, nq, d, nk, S.data(), nk, V.row(kb), V.ld, O.data(), d, 1.f, true, scratch);
         }
@@ -300,8 +323,8 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
 
 template <typename T>
 void backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-              const at::Tensor& out, const at::Tensor& lse, const Batch& b, float scale, const at::Tensor& dq,
-              const at::Tensor& dk, const at::Tensor& dv) {
+              const at::Tensor& out, const at::Tensor& lse, const Batch& b, float scale, const Dropout& dropout,
+              const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv) {
   const Layout lg = layout_of(grad), lq = layout_of(q), lk = layout_of(k), lv = layout_of(v), lo = layout_of(out);
   const Layout ldq = layout_of(dq), ldk = layout_of(dk), ldv = layout_of(dv);
   const Layout ll = q.dim() == 4 ? Layout{b.heads * q.size(2), q.size(2), 1} : Layout{0, q.size(0), 1};
@@ -312,7 +335,8 @@ void backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, 
   const int64_t d = b.d, Lmax = b.max_length;
   at::parallel_for(0, b.sequences * b.heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qbuf, kbuf, vbuf, gbuf, obuf, scratch, D(Lmax), LSE(Lmax), bias(Lmax), dQ(Lmax * d),
-        dK(kBlockK * d), dV(kBlockK * d), P(kBlockK * kBlockQ), dP(kBlockK * kBlockQ), zeros(d, 0.f);
+        dK(kBlockK * d), dV(kBlockK * d), P(kBlockK * kBlockQ), dP(kBlockK * kBlockQ),
+        kept(dropout.on() ? kBlockK * kBlockQ : 0), zeros(d, 0.f);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i = task / b.heads, h = task % b.heads, L = b.length[i], s0 = b.start[i];
       if (L == 0) continue;
@@ -345,8 +369,19 @@ void backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, 
               (VecF::loadu(p + r, m) + kbias - VecF::loadu(LSE.data() + qb + r, m)).exp().store(p + r, m);
             }
           }
-          gemm(false, false, nk, d, nq, P.data(), nq, dO.row(qb), dO.ld, dV.data(), d, 1.f, true, scratch);
+          if (dropout.on()) {  // dV takes the dropped probabilities: kept ones scaled by 1 / (1 - p)
+            for (int64_t j = 0; j < nk; ++j)
+              for (int64_t r = 0; r < nq; ++r)
+                kept[j * nq + r] = dropout.keep(i, h, qb + r, kb + j) ? P[j * nq + r] * dropout.scale() : 0.f;
+            gemm(false, false, nk, d, nq, kept.data(), nq, dO.row(qb), dO.ld, dV.data(), d, 1.f, true, scratch);
+          } else {
+            gemm(false, false, nk, d, nq, P.data(), nq, dO.row(qb), dO.ld, dV.data(), d, 1.f, true, scratch);
+          }
           gemm(false, true, nk, nq, d, V.row(kb), V.ld, dO.row(qb), dO.ld, dP.data(), nq, 1.f, false, scratch);
+          if (dropout.on())  // gradient of the probabilities before dropout
+            for (int64_t j = 0; j < nk; ++j)
+              for (int64_t r = 0; r < nq; ++r)
+                if (!dropout.keep(i, h, qb + r, kb + j)) dP[j * nq + r] = 0.f; else dP[j * nq + r] *= dropout.scale();
           for (int64_t j = 0; j < nk; ++j) {  // dS^T = P^T * (dP^T - D)
             float* p = P.data() + j * nq;
             float* dp = dP.data() + j * nq;
@@ -380,31 +415,52 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v)
   }
 }
 
+Dropout make_dropout(double p, int64_t seed) {
+  TORCH_CHECK(p >= 0.0 && p < 1.0, "attention: dropout_p must be in [0, 1), got ", p);
+  return Dropout{float(p), uint64_t(seed)};
+}
+
 void attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                    const std::optional<at::Tensor>& key_mask, const std::optional<at::Tensor>& cu_seqlens,
-                   double scale, const at::Tensor& out, const at::Tensor& lse) {
+                   double scale, double dropout_p, int64_t seed, const at::Tensor& out, const at::Tensor& lse) {
+  const Dropout dropout = make_dropout(dropout_p, seed);
   check_inputs(q, k, v);
   TORCH_CHECK(out.sizes() == q.sizes() && out.stride(-1) == 1 && out.scalar_type() == q.scalar_type(),
               "attention: out must match q");
   TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous(), "attention: lse must be contiguous float32");
   const Batch b = describe(q, key_mask, cu_seqlens);
-  if (q.scalar_type() == at::kFloat) forward<float>(q, k, v, b, (float)scale, out, lse);
-  else if (q.scalar_type() == at::kBFloat16) forward<at::BFloat16>(q, k, v, b, (float)scale, out, lse);
+  if (q.scalar_type() == at::kFloat) forward<float>(q, k, v, b, (float)scale, dropout, out, lse);
+  else if (q.scalar_type() == at::kBFloat16) forward<at::BFloat16>(q, k, v, b, (float)scale, dropout, out, lse);
   else TORCH_CHECK(false, "attention: dtype ", q.scalar_type(), " (supported: float32, bfloat16)");
 }
 
 void attention_bwd(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                    const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& key_mask,
-                   const std::optional<at::Tensor>& cu_seqlens, double scale, const at::Tensor& dq,
-                   const at::Tensor& dk, const at::Tensor& dv) {
+                   const std::optional<at::Tensor>& cu_seqlens, double scale, double dropout_p, int64_t seed,
+                   const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv) {
+  const Dropout dropout = make_dropout(dropout_p, seed);
   check_inputs(q, k, v);
   for (const auto* t : {&grad, &out, &dq, &dk, &dv})
     TORCH_CHECK(t->sizes() == q.sizes() && t->stride(-1) == 1 && t->scalar_type() == q.scalar_type(),
                 "attention: grad, out, dq, dk, dv must match q");
   const Batch b = describe(q, key_mask, cu_seqlens);
-  if (q.scalar_type() == at::kFloat) backward<float>(grad, q, k, v, out, lse, b, (float)scale, dq, dk, dv);
-  else if (q.scalar_type() == at::kBFloat16) backward<at::BFloat16>(grad, q, k, v, out, lse, b, (float)scale, dq, dk, dv);
+  if (q.scalar_type() == at::kFloat) backward<float>(grad, q, k, v, out, lse, b, (float)scale, dropout, dq, dk, dv);
+  else if (q.scalar_type() == at::kBFloat16)
+    backward<at::BFloat16>(grad, q, k, v, out, lse, b, (float)scale, dropout, dq, dk, dv);
   else TORCH_CHECK(false, "attention: dtype ", q.scalar_type(), " (supported: float32, bfloat16)");
+}
+
+// The keep mask the kernels apply, as a bool [sequences, heads, rows, cols] tensor: for tests.
+at::Tensor attention_dropout_keep(int64_t seed, double dropout_p, int64_t sequences, int64_t heads, int64_t rows,
+                                  int64_t cols) {
+  const Dropout dropout = make_dropout(dropout_p, seed);
+  at::Tensor keep = at::empty({sequences, heads, rows, cols}, at::kBool);
+  bool* out = keep.data_ptr<bool>();
+  for (int64_t i = 0; i < sequences; ++i)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < cols; ++j) *out++ = dropout.keep(i, h, r, j);
+  return keep;
 }
 
 }  // namespace
@@ -413,4 +469,8 @@ void attention_bwd(const at::Tensor& grad, const at::Tensor& q, const at::Tensor
 TORCH_LIBRARY_IMPL(fastbert_C, CPU, m) {
   m.impl("attention_fwd", &fastbert::attention_fwd);
   m.impl("attention_bwd", &fastbert::attention_bwd);
+}
+
+TORCH_LIBRARY_IMPL(fastbert_C, CompositeExplicitAutograd, m) {
+  m.impl("attention_dropout_keep", &fastbert::attention_dropout_keep);
 }

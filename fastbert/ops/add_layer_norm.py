@@ -1,6 +1,8 @@
 """add_layer_norm: layer_norm(dropout(x) + residual), the end of every BERT sub-layer."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from fastbert import dispatch
@@ -88,3 +90,75 @@ def _cpu(x, residual, weight, bias, eps, dropout_p):
     if dropout_p > 0:
         x = torch.nn.functional.dropout(x, dropout_p)  # torch's dropout; the kernel fuses add + LayerNorm
     return _cpu_forward(x, residual, weight, bias, eps)[0]
+
+
+# ------------------------------------------------------------------------------------------- triton
+# Kernels in kernels/add_layer_norm.py (fastbert.kernels.add_layer_norm), imported on first call: a
+# missing triton never breaks `import fastbert`. custom_op with an explicit fake (not triton_op), so
+# eager, autograd, opcheck and torch.compile(fullgraph=True) all work, under the interpreter too.
+# Dropout is fused: the kernel keeps an element where tl.rand(seed, its index) >= p and the backward
+# regenerates that mask from the same seed, so only the seed (int64 [1]) is saved, never a mask.
+
+
+@torch.library.custom_op("fastbert::add_layer_norm_triton", mutates_args=())
+def _triton_forward(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                    dropout_p: float, seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from fastbert.kernels import add_layer_norm as kernel
+
+    return kernel.add_layer_norm_forward(x, residual, weight, bias, eps, dropout_p, seed, empty=dispatch.empty)
+
+
+@torch.library.custom_op("fastbert::add_layer_norm_triton_backward", mutates_args=())
+def _triton_backward(grad: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     mean: torch.Tensor, rstd: torch.Tensor, dropout_p: float, seed: Optional[torch.Tensor]
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_residual, grad_x, grad_weight, grad_bias); without dropout grad_x equals grad_residual and
+    comes back empty ([0]) rather than written twice (an op's outputs may not alias)."""
+    from fastbert.kernels import add_layer_norm as kernel
+
+    grad_h, grad_x, grad_weight, grad_bias = kernel.add_layer_norm_backward(
+        grad, x, residual, weight, mean, rstd, dropout_p, seed, empty=dispatch.empty)
+    if grad_x is None:
+        grad_x = x.new_empty(0)
+    return grad_h, grad_x, grad_weight, grad_bias
+
+
+@_triton_forward.register_fake
+def _(x, residual, weight, bias, eps, dropout_p, seed):
+    rows = x.numel() // x.shape[-1]
+    return x.new_empty(x.shape), x.new_empty(rows, dtype=torch.float32), x.new_empty(rows, dtype=torch.float32)
+
+
+@_triton_backward.register_fake
+def _(grad, x, residual, weight, mean, rstd, dropout_p, seed):
+    grad_x = x.new_empty(x.shape) if dropout_p > 0 else x.new_empty(0)
+    return x.new_empty(x.shape), grad_x, weight.new_empty(weight.shape), weight.new_empty(weight.shape)
+
+
+def _triton_setup_context(ctx, inputs, output):
+    x, residual, weight, bias, eps, dropout_p, seed = inputs
+    _, mean, rstd = output
+    ctx.save_for_backward(x, residual, weight, mean, rstd, seed)
+    ctx.dropout_p = dropout_p
+
+
+def _triton_autograd(ctx, grad, _grad_mean, _grad_rstd):
+    dispatch.note("add_layer_norm.backward", "triton")
+    x, residual, weight, mean, rstd, seed = ctx.saved_tensors
+    grad_h, grad_x, grad_weight, grad_bias = _triton_backward(grad, x, residual, weight, mean, rstd,
+                                                              ctx.dropout_p, seed)
+    if ctx.dropout_p == 0:
+        grad_x = grad_h  # d(x + residual) reaches both
+    return grad_x, grad_h, grad_weight, grad_bias, None, None, None
+
+
+_triton_forward.register_autograd(_triton_autograd, setup_context=_triton_setup_context)
+
+
+@dispatch.register("add_layer_norm", "triton",
+                   dispatch.Support(("cuda", "cpu"), (torch.float16, torch.bfloat16, torch.float32), dropout=True))
+def _triton(x, residual, weight, bias, eps, dropout_p):
+    seed = None
+    if dropout_p > 0:  # drawn from torch's generator: torch.manual_seed reproduces the mask
+        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=x.device)
+    return _triton_forward(x, residual, weight, bias, eps, dropout_p, seed)[0]

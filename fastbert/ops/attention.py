@@ -82,61 +82,167 @@ def _lse_shape(q: torch.Tensor) -> tuple[int, ...]:
     return tuple(q.shape[:3]) if q.dim() == 4 else (q.shape[1], q.shape[0])  # [B, heads, S] | [heads, T]
 
 
+# The dropout seed travels as a tensor (drawn from torch's generator, so torch.manual_seed reproduces
+# it) and the kernel hashes keep decisions from it: backward regenerates the mask, nothing else is saved.
 @torch.library.custom_op("fastbert::attention_cpu", mutates_args=())
 def _cpu_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
-                 cu_seqlens: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 cu_seqlens: torch.Tensor | None, scale: float, dropout_p: float,
+                 seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     q, k, v = (_head_dim_contiguous(t) for t in (q, k, v))
     out = _empty_output(q)
     lse = dispatch.empty(_lse_shape(q), dtype=torch.float32, device=q.device)
-    torch.ops.fastbert_C.attention_fwd(q, k, v, key_mask, cu_seqlens, scale, out, lse)
+    torch.ops.fastbert_C.attention_fwd(q, k, v, key_mask, cu_seqlens, scale, dropout_p, _seed_int(seed), out, lse)
     return out, lse
 
 
+def _seed_int(seed: torch.Tensor | None) -> int:
+    return 0 if seed is None else int(seed)
+
+
 @_cpu_forward.register_fake
-def _(q, k, v, key_mask, cu_seqlens, scale):
+def _(q, k, v, key_mask, cu_seqlens, scale, dropout_p, seed):
     return _empty_output(q, torch.empty), q.new_empty(_lse_shape(q), dtype=torch.float32)
 
 
 @torch.library.custom_op("fastbert::attention_cpu_backward", mutates_args=())
 def _cpu_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                   lse: torch.Tensor, key_mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  scale: float, dropout_p: float, seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     grad, q, k, v, out = (_head_dim_contiguous(t) for t in (grad, q, k, v, out))
     dq, dk, dv = _empty_output(q), _empty_output(q), _empty_output(q)
-    torch.ops.fastbert_C.attention_bwd(grad, q, k, v, out, lse, key_mask, cu_seqlens, scale, dq, dk, dv)
+    torch.ops.fastbert_C.attention_bwd(grad, q, k, v, out, lse, key_mask, cu_seqlens, scale, dropout_p,
+                                       _seed_int(seed), dq, dk, dv)
     return dq, dk, dv
 
 
 @_cpu_backward.register_fake
-def _(grad, q, k, v, out, lse, key_mask, cu_seqlens, scale):
+def _(grad, q, k, v, out, lse, key_mask, cu_seqlens, scale, dropout_p, seed):
     return _empty_output(q, torch.empty), _empty_output(q, torch.empty), _empty_output(q, torch.empty)
 
 
 def _cpu_setup_context(ctx, inputs, output):
-    q, k, v, key_mask, cu_seqlens, scale = inputs
+    q, k, v, key_mask, cu_seqlens, scale, dropout_p, seed = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, key_mask, cu_seqlens)
-    ctx.scale = scale
+    ctx.save_for_backward(q, k, v, out, lse, key_mask, cu_seqlens, seed)
+    ctx.scale, ctx.dropout_p = scale, dropout_p
 
 
 def _cpu_autograd(ctx, grad, _grad_lse):
-    q, k, v, out, lse, key_mask, cu_seqlens = ctx.saved_tensors
+    q, k, v, out, lse, key_mask, cu_seqlens, seed = ctx.saved_tensors
     dispatch.note(("attention" if q.dim() == 4 else "varlen_attention") + ".backward", "cpu")
-    dq, dk, dv = _cpu_backward(grad, q, k, v, out, lse, key_mask, cu_seqlens, ctx.scale)
-    return dq, dk, dv, None, None, None
+    dq, dk, dv = _cpu_backward(grad, q, k, v, out, lse, key_mask, cu_seqlens, ctx.scale, ctx.dropout_p, seed)
+    return dq, dk, dv, None, None, None, None, None
 
 
 _cpu_forward.register_autograd(_cpu_autograd, setup_context=_cpu_setup_context)
 
-_CPU_SUPPORT = dispatch.Support(("cpu",), (torch.float32, torch.bfloat16), dropout=False)
+_CPU_SUPPORT = dispatch.Support(("cpu",), (torch.float32, torch.bfloat16))
+
+
+def _dropout_seed(dropout_p: float) -> torch.Tensor | None:
+    return torch.randint(0, 2**62, (1,), dtype=torch.int64) if dropout_p > 0 else None
 
 
 @dispatch.register("attention", "cpu", _CPU_SUPPORT)
 def _cpu(q, k, v, attention_mask, dropout_p, scale, need_weights):
     key_mask = None if attention_mask is None else attention_mask.bool().contiguous()
-    return _cpu_forward(q, k, v, key_mask, None, q.shape[-1] ** -0.5 if scale is None else float(scale))[0]
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return _cpu_forward(q, k, v, key_mask, None, scale, dropout_p, _dropout_seed(dropout_p))[0]
 
 
 @dispatch.register("varlen_attention", "cpu", _CPU_SUPPORT)
 def _cpu_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale):
-    return _cpu_forward(q, k, v, None, cu_seqlens, q.shape[-1] ** -0.5 if scale is None else float(scale))[0]
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return _cpu_forward(q, k, v, None, cu_seqlens, scale, dropout_p, _dropout_seed(dropout_p))[0]
+
+
+# ------------------------------------------------------------------------------------------ triton
+# Kernels in fastbert/kernels/attention.py, imported inside the ops: a missing triton must never
+# break `import fastbert`. The op takes the dropout seed as a tensor, so it is a pure function of its
+# inputs (backward regenerates the same mask; opcheck and torch.compile see no hidden state).
+
+
+def _key_bytes(key_mask: torch.Tensor | None) -> torch.Tensor | None:
+    return None if key_mask is None else key_mask.view(torch.uint8)  # a bool [B, S] read as bytes, no copy
+
+
+@torch.library.custom_op("fastbert::attention_triton", mutates_args=())
+def _triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
+                    cu_seqlens: torch.Tensor | None, max_seqlen: int, scale: float, dropout_p: float,
+                    seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    from fastbert.kernels import attention as kernels
+
+    out = _empty_output(q)
+    lse = dispatch.empty(_lse_shape(q), dtype=torch.float32, device=q.device)
+    kernels.forward(q, k, v, _key_bytes(key_mask), cu_seqlens, max_seqlen, scale, dropout_p, seed, out, lse)
+    return out, lse
+
+
+@_triton_forward.register_fake
+def _(q, k, v, key_mask, cu_seqlens, max_seqlen, scale, dropout_p, seed):
+    return _empty_output(q, torch.empty), q.new_empty(_lse_shape(q), dtype=torch.float32)
+
+
+@torch.library.custom_op("fastbert::attention_triton_backward", mutates_args=())
+def _triton_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                     lse: torch.Tensor, key_mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+                     max_seqlen: int, scale: float, dropout_p: float,
+                     seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from fastbert.kernels import attention as kernels
+
+    dq, dk, dv = _empty_output(q), _empty_output(q), _empty_output(q)
+    kernels.backward(grad, q, k, v, out, lse, _key_bytes(key_mask), cu_seqlens, max_seqlen, scale, dropout_p, seed,
+                     dq, dk, dv)
+    return dq, dk, dv
+
+
+@_triton_backward.register_fake
+def _(grad, q, k, v, out, lse, key_mask, cu_seqlens, max_seqlen, scale, dropout_p, seed):
+    return _empty_output(q, torch.empty), _empty_output(q, torch.empty), _empty_output(q, torch.empty)
+
+
+def _triton_setup_context(ctx, inputs, output):
+    q, k, v, key_mask, cu_seqlens, max_seqlen, scale, dropout_p, seed = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, key_mask, cu_seqlens, seed)
+    ctx.max_seqlen, ctx.scale, ctx.dropout_p = max_seqlen, scale, dropout_p
+
+
+def _triton_autograd(ctx, grad, _grad_lse):
+    q, k, v, out, lse, key_mask, cu_seqlens, seed = ctx.saved_tensors
+    dispatch.note(("attention" if q.dim() == 4 else "varlen_attention") + ".backward", "triton")
+    dq, dk, dv = _triton_backward(grad, q, k, v, out, lse, key_mask, cu_seqlens, ctx.max_seqlen, ctx.scale,
+                                  ctx.dropout_p, seed)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_triton_forward.register_autograd(_triton_autograd, setup_context=_triton_setup_context)
+
+TRITON_MAX_HEAD_DIM = 128
+
+
+def _triton_head_dim_reasons(f: dispatch.Facts) -> list[str]:
+    if f.head_dim is not None and not 1 <= f.head_dim <= TRITON_MAX_HEAD_DIM:
+        return [f"head_dim {f.head_dim} (supported: 1 to {TRITON_MAX_HEAD_DIM})"]
+    return []
+
+
+_TRITON_SUPPORT = dispatch.Support(("cuda", "cpu"), (torch.float16, torch.bfloat16, torch.float32))
+
+
+def _triton_seed(q: torch.Tensor, dropout_p: float) -> torch.Tensor | None:
+    """A fresh dropout seed from torch's generator for q's device (torch.manual_seed reproduces it)."""
+    return torch.randint(0, 2**62, (1,), dtype=torch.int64, device=q.device) if dropout_p > 0 else None
+
+
+@dispatch.register("attention", "triton", _TRITON_SUPPORT, _triton_head_dim_reasons)
+def _triton(q, k, v, attention_mask, dropout_p, scale, need_weights):
+    key_mask = None if attention_mask is None else attention_mask.bool()
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return _triton_forward(q, k, v, key_mask, None, q.shape[2], scale, dropout_p, _triton_seed(q, dropout_p))[0]
+
+
+@dispatch.register("varlen_attention", "triton", _TRITON_SUPPORT, _triton_head_dim_reasons)
+def _triton_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale):
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return _triton_forward(q, k, v, None, cu_seqlens, max_seqlen, scale, dropout_p, _triton_seed(q, dropout_p))[0]

@@ -71,3 +71,56 @@ _cpu_forward.register_autograd(_cpu_autograd, setup_context=_cpu_setup_context)
 @dispatch.register("bias_gelu", "cpu", dispatch.Support(("cpu",), (torch.float32, torch.bfloat16)))
 def _cpu(x, bias, approximate):
     return _cpu_forward(x, bias, approximate == "tanh")
+
+
+# ------------------------------------------------------------------------------------------- triton
+# Kernels in kernels/bias_gelu.py (fastbert.kernels.bias_gelu), imported on first call: a missing
+# triton never breaks `import fastbert`. custom_op with an explicit fake (not triton_op), so eager,
+# autograd, opcheck and torch.compile(fullgraph=True) all work, under the interpreter too.
+
+
+@torch.library.custom_op("fastbert::bias_gelu_triton", mutates_args=())
+def _triton_forward(x: torch.Tensor, bias: torch.Tensor, tanh: bool) -> torch.Tensor:
+    from fastbert.kernels import bias_gelu as kernel
+
+    return kernel.bias_gelu_forward(x, bias, tanh, empty=dispatch.empty)
+
+
+@torch.library.custom_op("fastbert::bias_gelu_triton_backward", mutates_args=())
+def _triton_backward(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor,
+                     tanh: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    from fastbert.kernels import bias_gelu as kernel
+
+    return kernel.bias_gelu_backward(grad, x, bias, tanh, empty=dispatch.empty)
+
+
+@_triton_forward.register_fake
+def _(x, bias, tanh):
+    return x.new_empty(x.shape)
+
+
+@_triton_backward.register_fake
+def _(grad, x, bias, tanh):
+    return x.new_empty(x.shape), bias.new_empty(bias.shape)
+
+
+def _triton_setup_context(ctx, inputs, output):
+    x, bias, tanh = inputs
+    ctx.save_for_backward(x, bias)
+    ctx.tanh = tanh
+
+
+def _triton_autograd(ctx, grad):
+    dispatch.note("bias_gelu.backward", "triton")
+    x, bias = ctx.saved_tensors
+    grad_x, grad_bias = _triton_backward(grad, x, bias, ctx.tanh)
+    return grad_x, grad_bias, None
+
+
+_triton_forward.register_autograd(_triton_autograd, setup_context=_triton_setup_context)
+
+
+@dispatch.register("bias_gelu", "triton",
+                   dispatch.Support(("cuda", "cpu"), (torch.float16, torch.bfloat16, torch.float32)))
+def _triton(x, bias, approximate):
+    return _triton_forward(x, bias, approximate == "tanh")

@@ -80,3 +80,49 @@ def _cpu(x, weight, bias, activation):
         z = _cpu_forward(x, weight, None, "none")
         return torch.ops.fastbert.bias_gelu_cpu(z, bias, activation == "gelu_tanh")
     return _cpu_forward(x, weight, bias, activation)
+
+
+# ------------------------------------------------------------------------ triton (GEMM + epilogue)
+
+
+@torch.library.custom_op("fastbert::dense_triton", mutates_args=())
+def _triton_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
+    from fastbert.kernels import dense as kernel
+
+    x2d = x.reshape(-1, x.shape[-1]).contiguous()
+    out = dispatch.empty((x2d.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    kernel.dense(x2d, weight.contiguous(), None if bias is None else bias.contiguous(), activation, out)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+@_triton_forward.register_fake
+def _(x, weight, bias, activation):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def _triton_autograd(ctx, grad):
+    dispatch.note("dense.backward", "triton")
+    x, weight, bias = ctx.saved_tensors
+    if ctx.activation != "none":  # recompute the pre-activation, then GELU's derivative in fp32
+        z = _triton_forward(x, weight, bias, "none").float()
+        grad = (grad.float() * reference_gelu_grad(z, ctx.activation)).to(x.dtype)
+    return (*linear_backward(grad, x, weight, bias), None)
+
+
+def reference_gelu_grad(z: torch.Tensor, activation: str) -> torch.Tensor:
+    """d gelu(z) / dz, exact or tanh form."""
+    if activation == "gelu_tanh":
+        inner = 0.7978845608028654 * (z + 0.044715 * z**3)
+        t = torch.tanh(inner)
+        return 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * 0.7978845608028654 * (1 + 3 * 0.044715 * z * z)
+    return 0.5 * (1 + torch.erf(z * 0.7071067811865476)) + z * torch.exp(-0.5 * z * z) * 0.3989422804014327
+
+
+_triton_forward.register_autograd(_triton_autograd, setup_context=_cpu_setup_context)
+
+_TRITON_SUPPORT = dispatch.Support(("cuda", "cpu"), (torch.float16, torch.bfloat16, torch.float32))
+
+
+@dispatch.register("dense", "triton", _TRITON_SUPPORT)
+def _triton(x, weight, bias, activation):
+    return _triton_forward(x, weight, bias, activation)

@@ -5,7 +5,7 @@ import torch
 
 from fastbert import dispatch
 from fastbert.ops import _checks, _onednn, reference
-from fastbert.ops import dense as _dense  # noqa: F401  (registers fastbert::dense_cpu)
+from fastbert.ops.dense import linear_backward  # importing it registers fastbert::dense_cpu
 
 
 def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int):
@@ -42,3 +42,52 @@ def _cpu(x, weight, bias, num_heads):
         # [B, S, 3, heads, d] -> 3 x [B, heads, S, d]: strided views; attention kernels read them in place.
         return qkv.view(b, s, 3, num_heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
     return qkv.view(-1, 3, num_heads, head_dim).unbind(1)  # 3 x [T, heads, d]
+
+
+# ------------------------------------------------------------------------ triton (GEMM + epilogue)
+
+
+@torch.library.custom_op("fastbert::qkv_projection_triton", mutates_args=())
+def _triton_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int) -> torch.Tensor:
+    """One GEMM writing q, k, v head-major: [3, B, heads, S, d] (or [3, T, heads, d] for [T, H] input)."""
+    from fastbert.kernels import dense as kernel
+
+    out = dispatch.empty(_head_major_shape(x, num_heads), dtype=x.dtype, device=x.device)
+    x2d = x.reshape(-1, x.shape[-1]).contiguous()
+    kernel.qkv_head_major(x2d, weight.contiguous(), None if bias is None else bias.contiguous(), num_heads,
+                          x.shape[1] if x.dim() == 3 else 0, out)
+    return out
+
+
+def _head_major_shape(x, num_heads):
+    d = x.shape[-1] // num_heads
+    return (3, x.shape[0], num_heads, x.shape[1], d) if x.dim() == 3 else (3, x.shape[0], num_heads, d)
+
+
+@_triton_forward.register_fake
+def _(x, weight, bias, num_heads):
+    return x.new_empty(_head_major_shape(x, num_heads))
+
+
+def _triton_setup_context(ctx, inputs, output):
+    x, weight, bias, num_heads = inputs
+    ctx.save_for_backward(x, weight, bias)
+
+
+def _triton_autograd(ctx, grad):
+    dispatch.note("qkv_projection.backward", "triton")
+    x, weight, bias = ctx.saved_tensors
+    # Back from head-major to [..., 3H] rows, then the linear layer's gradients.
+    if x.dim() == 3:
+        grad_rows = grad.permute(1, 3, 0, 2, 4).reshape(*x.shape[:2], -1)  # [B, S, 3, heads, d] -> [B, S, 3H]
+    else:
+        grad_rows = grad.permute(1, 0, 2, 3).reshape(x.shape[0], -1)  # [T, 3, heads, d] -> [T, 3H]
+    return (*linear_backward(grad_rows, x, weight, bias), None)
+
+
+_triton_forward.register_autograd(_triton_autograd, setup_context=_triton_setup_context)
+
+
+@dispatch.register("qkv_projection", "triton", dispatch.Support(("cuda", "cpu"), (torch.float16, torch.bfloat16, torch.float32)))
+def _triton(x, weight, bias, num_heads):
+    return _triton_forward(x, weight, bias, num_heads).unbind(0)

@@ -1,0 +1,395 @@
+"""Flash attention in Triton (non-causal): padded batches with a key-padding mask, and packed varlen.
+
+Forward: one program per (query block, head, sequence) walks the key blocks with an online softmax in
+fp32 (base-2 exponent: the scale carries log2(e)) and stores the output and the logsumexp of each
+query row (natural log; +inf for a row with no kept key, whose output is zeros). Backward recomputes
+the probabilities from q, k and the logsumexp, never storing an S x S matrix: a preprocess kernel
+takes delta = rowsum(dO * O), one kernel per key block accumulates dK and dV over the query blocks,
+and one kernel per query block accumulates dQ over the key blocks (no atomics: deterministic).
+
+Layouts: q, k, v, out and the gradients are [B, heads, S, d] or [T, heads, d] with any strides (each
+tensor passes its own); varlen sequences are rows cu_seqlens[i]:cu_seqlens[i+1] of the packed tensor.
+Logsumexp and delta are float32 [B, heads, S] or [heads, T].
+
+Dropout on the probabilities: a key j is kept for query row r of (sequence b, head h) when
+rand(seed, ((b * heads + h) * max_len + r) * max_len + j) >= dropout_p (Philox, so backward
+regenerates the same mask), and kept probabilities are scaled by 1 / (1 - dropout_p).
+
+Launch helpers only: the caller allocates the outputs and decides when these kernels run.
+"""
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E)
+
+
+@triton.jit
+def _sequence_bounds(CU_SEQLENS, b, max_len, IS_VARLEN: tl.constexpr):
+    """(first token, length) of sequence b: from cu_seqlens when packed, else (0, S)."""
+    if IS_VARLEN:
+        start = tl.load(CU_SEQLENS + b).to(tl.int64)
+        length = (tl.load(CU_SEQLENS + b + 1) - tl.load(CU_SEQLENS + b)).to(tl.int32)
+    else:
+        start = tl.zeros((), tl.int64)
+        length = tl.zeros((), tl.int32) + max_len
+    return start, length
+
+
+@triton.jit
+def _keep(seed, b, h, rows, cols, num_heads, max_len, dropout_p):
+    """Dropout mask [BLOCK_M, BLOCK_N] for query rows x keys of (sequence b, head h): True = kept."""
+    offsets = ((b * num_heads + h) * max_len + rows[:, None].to(tl.int64)) * max_len + cols[None, :]
+    return tl.rand(seed, offsets) >= dropout_p
+
+
+@triton.jit
+def _attention_fwd_kernel(
+    Q,  # [B, heads, S, d] | [T, heads, d] queries, strides stride_q*
+    K,  # keys, same shape as Q, strides stride_k*
+    V,  # values, same shape as Q, strides stride_v*
+    O,  # output, same shape as Q (written), strides stride_o*
+    LSE,  # float32 [B, heads, S] | [heads, T] logsumexp per query row (written), strides stride_l*
+    KEY_MASK,  # uint8 [B, S], nonzero = keep the key (read only when HAS_MASK), strides stride_m*
+    CU_SEQLENS,  # int32 [B + 1] token offsets of the sequences (read only when IS_VARLEN)
+    SEED,  # int64 [1] dropout seed (read only when DROPOUT)
+    stride_qb, stride_qh, stride_qs, stride_qd,  # Q strides: sequence (0 for varlen), head, row, dim
+    stride_kb, stride_kh, stride_ks, stride_kd,  # K strides, as Q's
+    stride_vb, stride_vh, stride_vs, stride_vd,  # V strides, as Q's
+    stride_ob, stride_oh, stride_os, stride_od,  # O strides, as Q's
+    stride_lb, stride_lh, stride_ls,  # LSE strides: sequence (0 for varlen), head, row
+    stride_mb, stride_ms,  # KEY_MASK strides: sequence, key
+    num_heads,  # heads
+    max_len,  # S for padded batches, max_seqlen for varlen (bounds the grid and dropout offsets)
+    head_dim,  # d (BLOCK_D >= d; the columns past d are masked)
+    qk_scale,  # softmax scale * log2(e)
+    dropout_p,  # probability of dropping a probability (DROPOUT only)
+    keep_scale,  # 1 / (1 - dropout_p) (DROPOUT only)
+    HAS_MASK: tl.constexpr, IS_VARLEN: tl.constexpr, DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    start, length = _sequence_bounds(CU_SEQLENS, b, max_len, IS_VARLEN)
+    if pid_m * BLOCK_M >= length:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    row_ok = rows < length
+    dim_ok = dims < head_dim
+    Q += b * stride_qb + h * stride_qh + start * stride_qs
+    K += b * stride_kb + h * stride_kh + start * stride_ks
+    V += b * stride_vb + h * stride_vh + start * stride_vs
+    q = tl.load(Q + rows[:, None] * stride_qs + dims[None, :] * stride_qd,
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    if DROPOUT:
+        seed = tl.load(SEED)
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)  # running max of the scores (base 2)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)  # running sum of exp2(score - m_i)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    for n0 in range(0, length, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        col_in = cols < length
+        key_ok = col_in
+        if HAS_MASK:
+            key_ok = key_ok & (tl.load(KEY_MASK + b * stride_mb + cols * stride_ms, mask=col_in, other=0) != 0)
+        kv_mask = col_in[:, None] & dim_ok[None, :]
+        k = tl.load(K + cols[:, None] * stride_ks + dims[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        v = tl.load(V + cols[:, None] * stride_vs + dims[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.where(key_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all keys so far masked: exp2(-inf) = 0
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if DROPOUT:
+            p = tl.where(_keep(seed, b, h, rows, cols, num_heads, max_len, dropout_p), p, 0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+        m_i = m_new
+
+    kept = l_i > 0.0
+    out = acc / tl.where(kept, l_i, 1.0)[:, None]  # acc is 0 where no key is kept
+    if DROPOUT:
+        out = out * keep_scale
+    O += b * stride_ob + h * stride_oh + start * stride_os
+    tl.store(O + rows[:, None] * stride_os + dims[None, :] * stride_od, out.to(O.dtype.element_ty),
+             mask=row_ok[:, None] & dim_ok[None, :])
+    lse = tl.where(kept, (m_i + tl.log2(tl.where(kept, l_i, 1.0))) * 0.6931471805599453, float("inf"))
+    tl.store(LSE + b * stride_lb + h * stride_lh + (start + rows) * stride_ls, lse, mask=row_ok)
+
+
+@triton.jit
+def _attention_bwd_preprocess_kernel(
+    O,  # [B, heads, S, d] | [T, heads, d] forward output, strides stride_o*
+    DO,  # gradient of O, same shape, strides stride_g*
+    DELTA,  # float32 [B, heads, S] | [heads, T] rowsum(dO * O) (written), strides stride_l* (LSE's layout)
+    CU_SEQLENS,  # int32 [B + 1] token offsets of the sequences (read only when IS_VARLEN)
+    stride_ob, stride_oh, stride_os, stride_od,  # O strides: sequence (0 for varlen), head, row, dim
+    stride_gb, stride_gh, stride_gs, stride_gd,  # DO strides, as O's
+    stride_lb, stride_lh, stride_ls,  # DELTA strides: sequence (0 for varlen), head, row
+    max_len,  # S for padded batches, max_seqlen for varlen
+    head_dim,  # d
+    IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    start, length = _sequence_bounds(CU_SEQLENS, b, max_len, IS_VARLEN)
+    if pid_m * BLOCK_M >= length:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    row_ok = rows < length
+    mask = row_ok[:, None] & (dims < head_dim)[None, :]
+    O += b * stride_ob + h * stride_oh + start * stride_os
+    DO += b * stride_gb + h * stride_gh + start * stride_gs
+    o = tl.load(O + rows[:, None] * stride_os + dims[None, :] * stride_od, mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + rows[:, None] * stride_gs + dims[None, :] * stride_gd, mask=mask, other=0.0).to(tl.float32)
+    tl.store(DELTA + b * stride_lb + h * stride_lh + (start + rows) * stride_ls, tl.sum(o * do, 1), mask=row_ok)
+
+
+@triton.jit
+def _attention_bwd_dkdv_kernel(
+    Q,  # [B, heads, S, d] | [T, heads, d] queries, strides stride_q*
+    K,  # keys, same shape, strides stride_k*
+    V,  # values, same shape, strides stride_v*
+    DO,  # gradient of the output, same shape, strides stride_g*
+    DK,  # gradient of K (written), same shape, strides stride_dk*
+    DV,  # gradient of V (written), same shape, strides stride_dv*
+    LSE,  # float32 [B, heads, S] | [heads, T] forward logsumexp, strides stride_l*
+    DELTA,  # float32, LSE's shape and strides: rowsum(dO * O)
+    KEY_MASK,  # uint8 [B, S], nonzero = keep the key (read only when HAS_MASK), strides stride_m*
+    CU_SEQLENS,  # int32 [B + 1] token offsets of the sequences (read only when IS_VARLEN)
+    SEED,  # int64 [1] dropout seed (read only when DROPOUT)
+    stride_qb, stride_qh, stride_qs, stride_qd,  # Q strides: sequence (0 for varlen), head, row, dim
+    stride_kb, stride_kh, stride_ks, stride_kd,  # K strides, as Q's
+    stride_vb, stride_vh, stride_vs, stride_vd,  # V strides, as Q's
+    stride_gb, stride_gh, stride_gs, stride_gd,  # DO strides, as Q's
+    stride_dkb, stride_dkh, stride_dks, stride_dkd,  # DK strides, as Q's
+    stride_dvb, stride_dvh, stride_dvs, stride_dvd,  # DV strides, as Q's
+    stride_lb, stride_lh, stride_ls,  # LSE and DELTA strides: sequence (0 for varlen), head, row
+    stride_mb, stride_ms,  # KEY_MASK strides: sequence, key
+    num_heads,  # heads
+    max_len,  # S for padded batches, max_seqlen for varlen
+    head_dim,  # d
+    scale,  # softmax scale
+    qk_scale,  # softmax scale * log2(e)
+    dropout_p,  # probability of dropping a probability (DROPOUT only)
+    keep_scale,  # 1 / (1 - dropout_p) (DROPOUT only)
+    HAS_MASK: tl.constexpr, IS_VARLEN: tl.constexpr, DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    start, length = _sequence_bounds(CU_SEQLENS, b, max_len, IS_VARLEN)
+    if pid_n * BLOCK_N >= length:
+        return
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    col_in = cols < length
+    dim_ok = dims < head_dim
+    key_ok = col_in
+    if HAS_MASK:
+        key_ok = key_ok & (tl.load(KEY_MASK + b * stride_mb + cols * stride_ms, mask=col_in, other=0) != 0)
+    kv_mask = col_in[:, None] & dim_ok[None, :]
+    K += b * stride_kb + h * stride_kh + start * stride_ks
+    V += b * stride_vb + h * stride_vh + start * stride_vs
+    k = tl.load(K + cols[:, None] * stride_ks + dims[None, :] * stride_kd, mask=kv_mask, other=0.0)
+    v = tl.load(V + cols[:, None] * stride_vs + dims[None, :] * stride_vd, mask=kv_mask, other=0.0)
+    Q += b * stride_qb + h * stride_qh + start * stride_qs
+    DO += b * stride_gb + h * stride_gh + start * stride_gs
+    LSE += b * stride_lb + h * stride_lh + start * stride_ls
+    DELTA += b * stride_lb + h * stride_lh + start * stride_ls
+    if DROPOUT:
+        seed = tl.load(SEED)
+
+    dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    for m0 in range(0, length, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < length
+        q_mask = row_ok[:, None] & dim_ok[None, :]
+        q = tl.load(Q + rows[:, None] * stride_qs + dims[None, :] * stride_qd, mask=q_mask, other=0.0)
+        do = tl.load(DO + rows[:, None] * stride_gs + dims[None, :] * stride_gd, mask=q_mask, other=0.0)
+        lse = tl.load(LSE + rows * stride_ls, mask=row_ok, other=float("inf")) * 1.4426950408889634
+        delta = tl.load(DELTA + rows * stride_ls, mask=row_ok, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        p = tl.exp2(tl.where(key_ok[None, :], s, float("-inf")) - lse[:, None])  # 0 for masked keys, empty rows
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # dL/d(dropped probabilities)
+        if DROPOUT:
+            keep = _keep(seed, b, h, rows, cols, num_heads, max_len, dropout_p)
+            dv = tl.dot(tl.trans(tl.where(keep, p * keep_scale, 0.0).to(do.dtype)), do, dv, input_precision=PRECISION)
+            dp = tl.where(keep, dp * keep_scale, 0.0)
+        else:
+            dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=PRECISION)
+
+    DK += b * stride_dkb + h * stride_dkh + start * stride_dks
+    DV += b * stride_dvb + h * stride_dvh + start * stride_dvs
+    tl.store(DK + cols[:, None] * stride_dks + dims[None, :] * stride_dkd, (dk * scale).to(DK.dtype.element_ty),
+             mask=kv_mask)
+    tl.store(DV + cols[:, None] * stride_dvs + dims[None, :] * stride_dvd, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _attention_bwd_dq_kernel(
+    Q,  # [B, heads, S, d] | [T, heads, d] queries, strides stride_q*
+    K,  # keys, same shape, strides stride_k*
+    V,  # values, same shape, strides stride_v*
+    DO,  # gradient of the output, same shape, strides stride_g*
+    DQ,  # gradient of Q (written), same shape, strides stride_dq*
+    LSE,  # float32 [B, heads, S] | [heads, T] forward logsumexp, strides stride_l*
+    DELTA,  # float32, LSE's shape and strides: rowsum(dO * O)
+    KEY_MASK,  # uint8 [B, S], nonzero = keep the key (read only when HAS_MASK), strides stride_m*
+    CU_SEQLENS,  # int32 [B + 1] token offsets of the sequences (read only when IS_VARLEN)
+    SEED,  # int64 [1] dropout seed (read only when DROPOUT)
+    stride_qb, stride_qh, stride_qs, stride_qd,  # Q strides: sequence (0 for varlen), head, row, dim
+    stride_kb, stride_kh, stride_ks, stride_kd,  # K strides, as Q's
+    stride_vb, stride_vh, stride_vs, stride_vd,  # V strides, as Q's
+    stride_gb, stride_gh, stride_gs, stride_gd,  # DO strides, as Q's
+    stride_dqb, stride_dqh, stride_dqs, stride_dqd,  # DQ strides, as Q's
+    stride_lb, stride_lh, stride_ls,  # LSE and DELTA strides: sequence (0 for varlen), head, row
+    stride_mb, stride_ms,  # KEY_MASK strides: sequence, key
+    num_heads,  # heads
+    max_len,  # S for padded batches, max_seqlen for varlen
+    head_dim,  # d
+    scale,  # softmax scale
+    qk_scale,  # softmax scale * log2(e)
+    dropout_p,  # probability of dropping a probability (DROPOUT only)
+    keep_scale,  # 1 / (1 - dropout_p) (DROPOUT only)
+    HAS_MASK: tl.constexpr, IS_VARLEN: tl.constexpr, DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    start, length = _sequence_bounds(CU_SEQLENS, b, max_len, IS_VARLEN)
+    if pid_m * BLOCK_M >= length:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    row_ok = rows < length
+    dim_ok = dims < head_dim
+    q_mask = row_ok[:, None] & dim_ok[None, :]
+    Q += b * stride_qb + h * stride_qh + start * stride_qs
+    DO += b * stride_gb + h * stride_gh + start * stride_gs
+    q = tl.load(Q + rows[:, None] * stride_qs + dims[None, :] * stride_qd, mask=q_mask, other=0.0)
+    do = tl.load(DO + rows[:, None] * stride_gs + dims[None, :] * stride_gd, mask=q_mask, other=0.0)
+    lse_at = b * stride_lb + h * stride_lh + (start + rows) * stride_ls
+    lse = tl.load(LSE + lse_at, mask=row_ok, other=float("inf")) * 1.4426950408889634
+    delta = tl.load(DELTA + lse_at, mask=row_ok, other=0.0)
+    K += b * stride_kb + h * stride_kh + start * stride_ks
+    V += b * stride_vb + h * stride_vh + start * stride_vs
+    if DROPOUT:
+        seed = tl.load(SEED)
+
+    dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    for n0 in range(0, length, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        col_in = cols < length
+        key_ok = col_in
+        if HAS_MASK:
+            key_ok = key_ok & (tl.load(KEY_MASK + b * stride_mb + cols * stride_ms, mask=col_in, other=0) != 0)
+        kv_mask = col_in[:, None] & dim_ok[None, :]
+        k = tl.load(K + cols[:, None] * stride_ks + dims[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        v = tl.load(V + cols[:, None] * stride_vs + dims[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        p = tl.exp2(tl.where(key_ok[None, :], s, float("-inf")) - lse[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        if DROPOUT:
+            dp = tl.where(_keep(seed, b, h, rows, cols, num_heads, max_len, dropout_p), dp * keep_scale, 0.0)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
+
+    DQ += b * stride_dqb + h * stride_dqh + start * stride_dqs
+    tl.store(DQ + rows[:, None] * stride_dqs + dims[None, :] * stride_dqd, (dq * scale).to(DQ.dtype.element_ty),
+             mask=q_mask)
+
+
+# ---------------------------------------------------------------------------------------------- host
+
+
+def _strides(t):
+    """(sequence, head, row, dim) strides of [B, heads, S, d], or of [T, heads, d] with sequence 0."""
+    return tuple(t.stride()) if t.dim() == 4 else (0, t.stride(1), t.stride(0), t.stride(2))
+
+
+def _row_strides(t):
+    """(sequence, head, row) strides of a float32 [B, heads, S] or [heads, T] per-row statistic."""
+    return tuple(t.stride()) if t.dim() == 3 else (0, t.stride(0), t.stride(1))
+
+
+def _config(q):
+    """Tile sizes and warps for q's head dim; BLOCK_D is the next power of two of d (at least 16)."""
+    block_d = max(16, triton.next_power_of_2(q.shape[-1]))
+    block = 64 if block_d <= 64 else 32
+    return block, block, block_d, 4 if block_d <= 64 else 8
+
+
+def _batch(q, cu_seqlens, max_seqlen):
+    """(sequences, heads, max_len): the grid's extent and the dropout offsets' row length."""
+    if cu_seqlens is not None:
+        return cu_seqlens.numel() - 1, q.shape[1], max_seqlen
+    return q.shape[0], q.shape[1], q.shape[2]
+
+
+def _mask_args(key_mask, dummy):
+    """(pointer, sequence stride, key stride) of the key mask; a dummy pointer, never read, when absent."""
+    if key_mask is None:
+        return dummy, 0, 0
+    return key_mask, key_mask.stride(0), key_mask.stride(1)
+
+
+def forward(q, k, v, key_mask, cu_seqlens, max_seqlen, scale, dropout_p, seed, out, lse):
+    """Writes out (q's shape) and lse (float32 [B, heads, S] | [heads, T]).
+
+    q, k, v: [B, heads, S, d] with key_mask uint8 [B, S] or None, or [T, heads, d] with cu_seqlens
+    int32 [B + 1] and max_seqlen; seed: int64 [1], read when dropout_p > 0."""
+    sequences, heads, max_len = _batch(q, cu_seqlens, max_seqlen)
+    if q.numel() == 0 or sequences == 0 or max_len == 0:
+        return
+    block_m, block_n, block_d, warps = _config(q)
+    mask, stride_mb, stride_ms = _mask_args(key_mask, lse)
+    grid = (triton.cdiv(max_len, block_m), heads, sequences)
+    _attention_fwd_kernel[grid](
+        q, k, v, out, lse, mask, cu_seqlens if cu_seqlens is not None else lse, seed if seed is not None else lse,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_row_strides(lse), stride_mb, stride_ms,
+        heads, max_len, q.shape[-1], scale * LOG2E, dropout_p, 1.0 / (1.0 - dropout_p),
+        HAS_MASK=key_mask is not None, IS_VARLEN=cu_seqlens is not None, DROPOUT=dropout_p > 0,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION="ieee", num_warps=warps,
+    )
+
+
+def backward(grad, q, k, v, out, lse, key_mask, cu_seqlens, max_seqlen, scale, dropout_p, seed, dq, dk, dv):
+    """Writes dq, dk, dv (q's shape) from the output gradient `grad` and forward's out and lse."""
+    sequences, heads, max_len = _batch(q, cu_seqlens, max_seqlen)
+    if q.numel() == 0 or sequences == 0 or max_len == 0:
+        return
+    block_m, block_n, block_d, warps = _config(q)
+    delta = torch.empty_like(lse)  # LSE's strides: the kernels share them
+    cu = cu_seqlens if cu_seqlens is not None else lse
+    _attention_bwd_preprocess_kernel[(triton.cdiv(max_len, block_m), heads, sequences)](
+        out, grad, delta, cu, *_strides(out), *_strides(grad), *_row_strides(delta), max_len, q.shape[-1],
+        IS_VARLEN=cu_seqlens is not None, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps,
+    )
+    mask, stride_mb, stride_ms = _mask_args(key_mask, lse)
+    common = dict(HAS_MASK=key_mask is not None, IS_VARLEN=cu_seqlens is not None, DROPOUT=dropout_p > 0,
+                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION="ieee", num_warps=warps)
+    scalars = (heads, max_len, q.shape[-1], scale, scale * LOG2E, dropout_p, 1.0 / (1.0 - dropout_p))
+    seed = seed if seed is not None else lse
+    _attention_bwd_dkdv_kernel[(triton.cdiv(max_len, block_n), heads, sequences)](
+        q, k, v, grad, dk, dv, lse, delta, mask, cu, seed,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(grad), *_strides(dk), *_strides(dv),
+        *_row_strides(lse), stride_mb, stride_ms, *scalars, **common,
+    )
+    _attention_bwd_dq_kernel[(triton.cdiv(max_len, block_m), heads, sequences)](
+        q, k, v, grad, dq, lse, delta, mask, cu, seed,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(grad), *_strides(dq),
+        *_row_strides(lse), stride_mb, stride_ms, *scalars, **common,
+    )

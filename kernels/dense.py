@@ -1,0 +1,102 @@
+"""Triton GEMM with a fused epilogue: y = act(x @ w.T + b), for `dense` and `qkv_projection`.
+
+The epilogue adds the bias, applies GELU (erf or tanh form) and stores each output column where the
+caller's layout wants it: row-major [M, N] for dense, or straight into head-major q, k, v buffers for
+the QKV projection (column n of [M, 3H] is (which of q/k/v, head, dim); row m is (batch, position)),
+so no transpose or copy follows the GEMM. Accumulation is fp32; fp32 inputs use IEEE fp32 dots
+(TF32 would miss fastbert's fp32 tolerance).
+"""
+import triton
+import triton.language as tl
+
+ACTIVATIONS = {"none": 0, "gelu": 1, "gelu_tanh": 2}
+
+
+@triton.jit
+def _gemm_epilogue_kernel(
+    x_ptr,  # [M, K] input rows, row stride stride_xm, unit column stride
+    w_ptr,  # [N, K] weight (PyTorch linear layout), row stride stride_wn, unit column stride
+    b_ptr,  # [N] bias (read only when HAS_BIAS)
+    y_ptr,  # output base; element (m, n) lives at the offset the layout arguments below give
+    M, N, K,
+    stride_xm, stride_wn,
+    rows_per_group,  # rows m split as (group = m // rows_per_group, r = m % rows_per_group)
+    stride_group, stride_row,  # output strides of group and r
+    cols_per_part, cols_per_head,  # columns n split as (part = n // cols_per_part, head, dim)
+    stride_part, stride_head,  # output strides of part and head (dim has stride 1)
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        w = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
+        if IEEE:
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    if ACTIVATION == 1:  # exact GELU
+        acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))
+    elif ACTIVATION == 2:  # tanh GELU; tanh(u) = 1 - 2 / (exp(2u) + 1)
+        u = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
+        acc = 0.5 * acc * (2.0 - 2.0 / (tl.exp(2.0 * u) + 1.0))
+    out_rows = (rm // rows_per_group) * stride_group + (rm % rows_per_group) * stride_row
+    part = rn // cols_per_part
+    within = rn % cols_per_part
+    out_cols = part * stride_part + (within // cols_per_head) * stride_head + within % cols_per_head
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    tl.store(y_ptr + out_rows[:, None] + out_cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _blocks(x):
+    if x.is_cuda:
+        return 64, 64, 32, 4
+    return 32, 32, 32, 1  # the interpreter: small tiles keep it quick
+
+
+def _launch(x2d, weight, bias, out, activation, rows_per_group, stride_group, stride_row,
+            cols_per_part, cols_per_head, stride_part, stride_head):
+    m, k = x2d.shape
+    n = weight.shape[0]
+    block_m, block_n, block_k, warps = _blocks(x2d)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _gemm_epilogue_kernel[grid](
+        x2d, weight, bias if bias is not None else weight, out, m, n, k, x2d.stride(0), weight.stride(0),
+        rows_per_group, stride_group, stride_row, cols_per_part, cols_per_head, stride_part, stride_head,
+        HAS_BIAS=bias is not None, ACTIVATION=ACTIVATIONS[activation], IEEE=x2d.dtype.is_floating_point and x2d.element_size() == 4,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+    )
+
+
+def dense(x2d, weight, bias, activation, out):
+    """out [M, N] (contiguous) = act(x2d [M, K] @ weight [N, K].T + bias [N])."""
+    m, n = x2d.shape[0], weight.shape[0]
+    _launch(x2d, weight, bias, out, activation, rows_per_group=max(m, 1), stride_group=0, stride_row=n,
+            cols_per_part=n, cols_per_head=n, stride_part=0, stride_head=0)
+    return out
+
+
+def qkv_head_major(x2d, weight, bias, num_heads, seq, out):
+    """x2d [rows, H] @ weight [3H, H].T + bias, written head-major into a contiguous `out`: with
+    seq > 0 rows are (batch, position) and out is [3, B, heads, S, d]; with seq == 0 rows are packed
+    tokens and out is [3, T, heads, d]."""
+    hidden = weight.shape[1]
+    d = hidden // num_heads
+    if seq:  # rows are (batch, position); out[p, b, h, s, :]
+        b = x2d.shape[0] // seq
+        stride_part, stride_group, stride_head, stride_row = b * hidden * seq, hidden * seq, seq * d, d
+        rows_per_group = seq
+    else:  # rows are tokens; out[p, t, h, :]
+        stride_part, stride_group, stride_head, stride_row = x2d.shape[0] * hidden, 0, d, hidden
+        rows_per_group = max(x2d.shape[0], 1)
+    _launch(x2d, weight, bias, out, "none", rows_per_group, stride_group, stride_row,
+            cols_per_part=hidden, cols_per_head=d, stride_part=stride_part, stride_head=stride_head)
+    return out
