@@ -11,7 +11,13 @@ import torch  # noqa: E402
 
 from fastbert import dispatch  # noqa: E402
 
-DTYPES = [torch.float32, torch.bfloat16]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16] + ([torch.float16] if DEVICE == "cuda" else [])
+
+
+def sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def dtype_id(dtype):
@@ -19,10 +25,11 @@ def dtype_id(dtype):
 
 
 def fastbert_contenders(op, public):
-    """(name, fn) for each backend that can run `op` on this machine (CPU tensors), forced."""
+    """(name, fn) for each backend that can run `op` on this machine's DEVICE tensors, forced."""
     out = []
     for backend in ("cpu", "triton", "cuda"):
-        if backend in dispatch.implementations(op) and not dispatch.machine_reasons(backend):
+        impl = dispatch.implementations(op).get(backend)
+        if impl is not None and DEVICE in impl.support.devices and not dispatch.machine_reasons(backend):
             def run(*args, backend=backend, **kwargs):
                 with dispatch.use_backend(backend, op=op):
                     return public(*args, **kwargs)
@@ -32,5 +39,10 @@ def fastbert_contenders(op, public):
 
 def time_it(benchmark, group, fn, *args, **kwargs):
     benchmark.group = group
+
+    def run():
+        fn(*args, **kwargs)
+        sync()  # GPU launches are asynchronous: time the work, not the launch
+
     with torch.inference_mode():
-        benchmark.pedantic(fn, args=args, kwargs=kwargs, rounds=15, iterations=1, warmup_rounds=2)
+        benchmark.pedantic(run, rounds=15, iterations=1, warmup_rounds=2)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from conftest import DTYPES, dtype_id, fastbert_contenders, time_it
+from conftest import DEVICE, DTYPES, dtype_id, fastbert_contenders, time_it
 from fastbert import ops
 from fastbert.ops import reference
 
@@ -14,5 +14,5 @@ CONTENDERS = [("torch F.gelu(x+b)", lambda x, b: torch.nn.functional.gelu(x + b)
 @pytest.mark.parametrize("tokens", [1024, 4096])
 @pytest.mark.parametrize("name,fn", CONTENDERS, ids=[n for n, _ in CONTENDERS])
 def test_bias_gelu(benchmark, name, fn, tokens, dtype):
-    x, b = torch.randn(tokens, 3072).to(dtype), torch.randn(3072).to(dtype)
+    x, b = torch.randn(tokens, 3072).to(DEVICE, dtype), torch.randn(3072).to(DEVICE, dtype)
     time_it(benchmark, f"bias_gelu {tokens}x3072 {dtype_id(dtype)}", fn, x, b)

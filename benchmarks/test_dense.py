@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import DTYPES, dtype_id, fastbert_contenders, time_it
+from conftest import DEVICE, DTYPES, dtype_id, fastbert_contenders, time_it
 from fastbert import ops
 from fastbert.ops import _onednn
 
@@ -20,7 +20,7 @@ def onednn_plain(x, w, b, activation):
 
 
 CONTENDERS = [("torch F.linear(+F.gelu)", torch_composite), *fastbert_contenders("dense", ops.dense)]
-if not _onednn.missing():
+if DEVICE == "cpu" and not _onednn.missing():
     CONTENDERS.append(("oneDNN plain GEMM", onednn_plain))
 
 
@@ -29,6 +29,6 @@ if not _onednn.missing():
 @pytest.mark.parametrize("k,n,activation", SHAPES, ids=[f"{k}x{n}-{a}" for k, n, a in SHAPES])
 @pytest.mark.parametrize("name,fn", CONTENDERS, ids=[n for n, _ in CONTENDERS])
 def test_dense(benchmark, name, fn, tokens, k, n, activation, dtype):
-    x, w, b = torch.randn(tokens, k).to(dtype), (torch.randn(n, k) * k**-0.5).to(dtype), torch.randn(n).to(dtype)
+    x, w, b = torch.randn(tokens, k).to(DEVICE, dtype), (torch.randn(n, k) * k**-0.5).to(DEVICE, dtype), torch.randn(n).to(DEVICE, dtype)
     benchmark.extra_info["GFLOP"] = 2 * tokens * k * n / 1e9
     time_it(benchmark, f"dense {tokens}x{k}->{n} {activation} {dtype_id(dtype)}", fn, x, w, b, activation)

@@ -24,8 +24,8 @@ COMPETITORS = ("fastbert", "hf-eager", "hf-sdpa", "compile", "nested", "onnxrunt
 DEFAULT_COMPETITORS = ("fastbert", "hf-eager", "hf-sdpa", "nested", "onnxruntime")
 SHAPES = ("1x128", "8x128", "8x512", "ragged32")
 MODELS = ("minilm", "base")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-PARITY = {torch.float32: 1e-4, torch.bfloat16: 3e-2}  # rel err vs transformers eager, real tokens
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PARITY = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}  # rel err vs transformers eager, real tokens
 
 
 def log(*parts) -> None:
@@ -60,21 +60,30 @@ def useful_flops(config: fastbert.BertConfig, mask: torch.Tensor) -> float:
     return layers * (per_token * float(lengths.sum()) + attention)
 
 
-def gemm_rate(dtype: torch.dtype) -> float:
-    """GFLOP/s of oneDNN's packed GEMM at BERT-base FFN width, measured now."""
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def gemm_rate(dtype: torch.dtype, device: str = "cpu") -> float:
+    """GFLOP/s of the machine's GEMM, measured now: oneDNN's packed GEMM at BERT-base FFN width on
+    CPU, a large cuBLAS matmul on GPU."""
     from fastbert.ops import _onednn
 
-    x, w = torch.randn(1024, 768).to(dtype), torch.randn(3072, 768).to(dtype)
-    if _onednn.missing():
-        fn = lambda: torch.nn.functional.linear(x, w)  # noqa: E731
-    else:
+    m, k, n = (1024, 768, 3072) if device == "cpu" else (8192, 8192, 8192)
+    x, w = torch.randn(m, k).to(device, dtype), torch.randn(n, k).to(device, dtype)
+    if device == "cpu" and not _onednn.missing():
         fn = lambda: _onednn.linear(x, w, None)  # noqa: E731
+    else:
+        fn = lambda: torch.nn.functional.linear(x, w)  # noqa: E731
     times = []
     for _ in range(12):
+        sync(device)
         t = time.perf_counter()
         fn()
+        sync(device)
         times.append(time.perf_counter() - t)
-    return 2 * 1024 * 768 * 3072 / statistics.median(times[2:]) / 1e9
+    return 2 * m * k * n / statistics.median(times[2:]) / 1e9
 
 
 # ------------------------------------------------------------------------------------ competitors
@@ -87,7 +96,7 @@ class Competitor:
     unavailable: str = ""  # why it cannot run, in words
 
 
-def load_models(model: str, dtype: torch.dtype):
+def load_models(model: str, dtype: torch.dtype, device: str = "cpu"):
     """(fastbert model, transformers eager model, transformers sdpa model, directory or None)."""
     import transformers
 
@@ -111,7 +120,7 @@ def load_models(model: str, dtype: torch.dtype):
         m = transformers.BertModel._from_config(transformers.BertConfig(**hf_config.to_dict()), attn_implementation=impl)
         m.load_state_dict(state, strict=False)
         hf[impl] = m.eval().to(dtype)
-    return ours.to(dtype), hf["eager"], hf["sdpa"]
+    return ours.to(device, dtype), hf["eager"].to(device), hf["sdpa"].to(device)
 
 
 def hf_runner(model):
@@ -149,6 +158,8 @@ def nested_encoder(hf_model, dtype):
 
 def onnxruntime_runner(hf_model, dtype, workdir):
     """ONNX Runtime on the same weights, exported and fused by ORT's transformer optimizer."""
+    if hf_model.device.type != "cpu":
+        return None, "CPU only here (onnxruntime's CPU execution provider)"
     if dtype != torch.float32:
         return None, "fp32 only (ONNX Runtime's CPU kernels have no bf16 BERT path)"
     try:
@@ -229,7 +240,7 @@ class Row:
     gemm_fraction: float = 0.0  # fastbert's useful FLOP/s over the oneDNN GEMM rate
 
 
-def measure(timed: list[Competitor], reference: Competitor, ids, mask, dtype, rounds: int):
+def measure(timed: list[Competitor], reference: Competitor, ids, mask, dtype, rounds: int, device: str = "cpu"):
     """Check each competitor against `reference` at real tokens, then time alternating rounds."""
     real = mask.bool()
     ms, skipped, live = {}, {}, []
@@ -253,8 +264,10 @@ def measure(timed: list[Competitor], reference: Competitor, ids, mask, dtype, ro
         times = {c.name: [] for c in live}
         for r in range(rounds):
             for c in (live if r % 2 == 0 else live[::-1]):  # alternate the order round by round
+                sync(device)
                 t = time.perf_counter()
                 c.run(ids, mask)
+                sync(device)
                 times[c.name].append(time.perf_counter() - t)
     for name, ts in times.items():
         ms[name] = statistics.median(ts) * 1e3
@@ -276,7 +289,7 @@ def markdown(rows: list[Row], names: list[str], rates: dict) -> str:
         cells.append(f"{100 * r.gemm_fraction:.0f}%" if r.gemm_fraction else "n/a")
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
-    lines.append("GEMM rate (oneDNN packed, 1024x768x3072, same run): "
+    lines.append("GEMM rate (CPU: oneDNN packed 1024x768x3072; GPU: cuBLAS 8192^3; same run): "
                  + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in rates.items()))
     notes = {(n, why) for r in rows for n, why in r.skipped.items()}
     for n, why in sorted(notes):
@@ -302,7 +315,7 @@ def chart(rows: list[Row], names: list[str], path: str) -> str:
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([i + width * (len(others) - 1) / 2 for i in range(len(rows))], labels, fontsize=7)
     ax.set_ylabel("fastbert speedup (x)")
-    ax.set_title(f"fastbert vs others, {torch.get_num_threads()} CPU threads (higher is better)")
+    ax.set_title("fastbert vs others (higher is better)")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -311,23 +324,23 @@ def chart(rows: list[Row], names: list[str], path: str) -> str:
 
 
 def run(models=("minilm", "base"), dtypes=("fp32",), shapes=SHAPES, competitors=DEFAULT_COMPETITORS, rounds=7,
-        out_dir="benchmarks/out", backend=None) -> list[Row]:
+        out_dir="benchmarks/out", backend=None, device="cpu") -> list[Row]:
     os.makedirs(out_dir, exist_ok=True)
-    rates = {d: gemm_rate(DTYPES[d]) for d in dtypes}
+    rates = {d: gemm_rate(DTYPES[d], device) for d in dtypes}
     log("GEMM rate: " + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in rates.items()))
     rows = []
     for model in models:
         for dname in dtypes:
             dtype = DTYPES[dname]
             log(f"[{model} {dname}] loading models and building competitors ...")
-            ours, eager, sdpa = load_models(model, dtype)
+            ours, eager, sdpa = load_models(model, dtype, device)
             built = build_competitors(competitors, ours, eager, sdpa, dtype, os.path.join(out_dir, f"onnx-{model}"))
             reference = Competitor("transformers eager", hf_runner(eager))  # parity reference, not timed
             for shape in shapes:
-                ids, mask = make_batch(shape, ours.config.vocab_size)
+                ids, mask = (t.to(device) for t in make_batch(shape, ours.config.vocab_size))
                 log(f"[{model} {dname} {shape}] checking parity and timing {rounds} alternating rounds ...")
                 with fastbert.use_backend(backend) if backend else contextlib.nullcontext():
-                    ms, skipped = measure(built, reference, ids, mask, dtype, rounds)
+                    ms, skipped = measure(built, reference, ids, mask, dtype, rounds, device)
                 row = Row(model, dname, shape, int(mask.sum()), mask.numel(), ms, skipped, useful_flops(ours.config, mask) / 1e9)
                 if "fastbert" in ms:
                     row.gemm_fraction = row.gflop / (ms["fastbert"] / 1e3) / rates[dname]
@@ -336,6 +349,7 @@ def run(models=("minilm", "base"), dtypes=("fp32",), shapes=SHAPES, competitors=
     names = list(competitors)
     table = markdown(rows, names, rates)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
             "gemm_gflops": rates, "command": " ".join(sys.argv)}
     with open(os.path.join(out_dir, "bench.json"), "w") as f:
         json.dump({"meta": meta, "rows": [r.__dict__ for r in rows]}, f, indent=2)
