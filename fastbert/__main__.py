@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import sys
 
 
@@ -32,6 +34,41 @@ def main(argv=None) -> int:
     bench.add_argument("--rounds", type=int, default=7, help="timed rounds per competitor (median reported)")
     bench.add_argument("--backend", default=None, help="force one fastbert backend for every op")
     bench.add_argument("--out", default="benchmarks/out", help="folder for bench.json and bench.png")
+    bench.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the models run")
+    pretrain = sub.add_parser("pretrain", help="pretrain BERT (masked LM + next sentence) on a text file")
+    pretrain.add_argument("--corpus", required=True, help="one sentence per line, blank lines between documents")
+    pretrain.add_argument("--tokenizer", default=None,
+                          help="HF tokenizer directory (default: --model's, else the bundled all-MiniLM-L6-v2's)")
+    pretrain.add_argument("--config", default="tiny",
+                          help="preset (tiny, base, large; vocab sized to the tokenizer) or a config.json")
+    pretrain.add_argument("--model", default=None, help="HF BERT directory to continue pretraining (instead of --config)")
+    pretrain.add_argument("--mlm-probability", type=float, default=0.15, help="fraction of tokens chosen for masking")
+    finetune = sub.add_parser("finetune", help="fine-tune a sequence classifier on labelled texts (CSV or JSONL)")
+    finetune.add_argument("--train", required=True, help='CSV with text,label columns, or JSONL {"text": ..., "label": ...}')
+    finetune.add_argument("--eval", default=None, help="labelled file in the same format: accuracy after training")
+    finetune.add_argument("--model", required=True, help="HF BERT directory to start from (e.g. a pretrain --out)")
+    finetune.add_argument("--tokenizer", default=None, help="HF tokenizer directory (default: the model's, else the bundled)")
+    for command in (pretrain, finetune):
+        add = command.add_argument
+        add("--out", required=True, help="output directory: model, tokenizer, training state, loss.png")
+        length = command.add_mutually_exclusive_group()
+        length.add_argument("--steps", type=int, default=1000, help="optimizer steps (default 1000)")
+        length.add_argument("--epochs", type=float, default=None, help="passes over the data, instead of --steps")
+        add("--batch-size", type=int, default=32, help="examples per optimizer step (all accumulation steps and processes)")
+        add("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+        add("--lr", type=float, default=1e-4 if command is pretrain else 5e-5, help="peak learning rate")
+        add("--weight-decay", type=float, default=0.01, help="AdamW weight decay (not on biases and LayerNorms)")
+        add("--warmup-steps", type=int, default=None, help="linear warmup steps (default: 10%% of the steps)")
+        add("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0: none)")
+        add("--max-length", type=int, default=128, help="tokens per example")
+        add("--dropout", type=float, default=None, help="set every dropout rate (default: the config's)")
+        add("--bf16", action="store_true", help="bfloat16 autocast")
+        add("--gradient-checkpointing", action="store_true", help="recompute layers in backward to save memory")
+        add("--seed", type=int, default=0, help="initialization, data order, masking, dropout")
+        add("--save-every", type=int, default=0, help="also save OUT/checkpoint-STEP every this many steps")
+        add("--resume", default=None, help="checkpoint directory to continue from (same results as not stopping)")
+        add("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
+        add("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     if args.command == "info":
         from fastbert.info import report
@@ -44,7 +81,26 @@ def main(argv=None) -> int:
     elif args.command == "bench":
         from fastbert.bench import run
 
-        run(args.models, args.dtypes, args.shapes, args.competitors, args.rounds, args.out, args.backend)
+        run(args.models, args.dtypes, args.shapes, args.competitors, args.rounds, args.out, args.backend, args.device)
+    elif args.command in ("pretrain", "finetune"):
+        from fastbert import train
+
+        # The options share TrainArgs' field names (--batch-size -> batch_size, ...).
+        fields = {f.name for f in dataclasses.fields(train.TrainArgs)} - {"progress"}
+        options = train.TrainArgs(**{name: getattr(args, name) for name in fields}, progress=not args.no_progress)
+        first = os.environ.get("RANK", "0") == "0"  # under torchrun, one process reports
+        if args.command == "pretrain":
+            losses = train.pretrain(args.corpus, options, args.tokenizer, args.config, args.mlm_probability, args.dropout,
+                                    args.model)
+            if first:
+                print(f"pretrained {len(losses)} steps, final loss {losses[-1]:.4f}: {args.out}")
+        else:
+            result = train.finetune(args.train, args.model, options, args.eval, args.tokenizer, args.dropout)
+            if first:
+                print(f"fine-tuned {len(result['losses'])} steps, final loss {result['losses'][-1]:.4f}: {args.out}")
+            if "accuracy" in result:
+                print(f"eval accuracy {result['accuracy']:.4f} ({result['correct']}/{result['total']}), "
+                      f"loss {result['loss']:.4f}")
     return 0
 
 

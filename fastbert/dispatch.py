@@ -332,6 +332,25 @@ def call(op: str, inputs: dict, *args, **kwargs):
     return _REGISTRY[op][backend].fn(*args, **kwargs)
 
 
+def follows_autocast(public_op):
+    """Decorator for the public ops: under torch.autocast an op runs whole in the autocast dtype
+    (statistics stay fp32 inside the kernels). Floating inputs are cast once, before any check, and
+    the op runs with autocast off."""
+
+    @functools.wraps(public_op)
+    def wrapper(*args, **kwargs):
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        device = tensors[0].device.type if tensors else None
+        if device is None or not torch.is_autocast_enabled(device):
+            return public_op(*args, **kwargs)
+        dtype = torch.get_autocast_dtype(device)
+        cast = lambda a: a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a  # noqa: E731
+        with torch.autocast(device, enabled=False):
+            return public_op(*(cast(a) for a in args), **{k: cast(v) for k, v in kwargs.items()})
+
+    return wrapper
+
+
 # --------------------------------------------------------------------------------------------------
 # Output allocation: kernels allocate here so tests can poison every output before it is written.
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from fastbert import dispatch, ops, padding
 from fastbert.config import BertConfig
@@ -163,13 +164,20 @@ class BertEncoder(nn.Module):
     def __init__(self, config: BertConfig):
         super().__init__()
         self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
+        self.gradient_checkpointing = False  # set by BertPreTrainedModel.gradient_checkpointing_enable()
 
     def forward(self, x, attention_mask=None, output_hidden_states=False, output_attentions=False, packing=None):
         """x [B, S, H] with attention_mask, or packed [T, H] with `packing` (then states come back padded)."""
         restore = (lambda t: padding.pad(t, packing)) if packing is not None else (lambda t: t)
         hidden_states, attentions = [restore(x)] if output_hidden_states else None, [] if output_attentions else None
+        # Checkpointing keeps only each layer's input for backward and recomputes the layer there
+        # (dropout masks too: checkpoint restores the RNG state). Pointless without a backward.
+        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.layer:
-            x, probs = layer(x, attention_mask, output_attentions, packing)
+            if recompute:
+                x, probs = checkpoint(layer, x, attention_mask, output_attentions, packing, use_reentrant=False)
+            else:
+                x, probs = layer(x, attention_mask, output_attentions, packing)
             if output_hidden_states:
                 hidden_states.append(restore(x))
             if output_attentions:
@@ -231,6 +239,22 @@ class BertPreTrainedModel(nn.Module):
     def tied_weights(self) -> dict[str, str]:
         """The entries of _tied_weights_keys that are tied in this model right now."""
         return {t: s for t, s in self._tied_weights_keys.items() if self.get_parameter(t) is self.get_parameter(s)}
+
+    def gradient_checkpointing_enable(self) -> None:
+        """Trade compute for memory in training: encoder layers keep only their inputs for backward and
+        run again there (as transformers' method of the same name)."""
+        for module in self.modules():
+            if isinstance(module, BertEncoder):
+                module.gradient_checkpointing = True
+
+    def gradient_checkpointing_disable(self) -> None:
+        for module in self.modules():
+            if isinstance(module, BertEncoder):
+                module.gradient_checkpointing = False
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return any(isinstance(m, BertEncoder) and m.gradient_checkpointing for m in self.modules())
 
     @classmethod
     def from_pretrained(cls, directory, dtype: torch.dtype | None = None, **kwargs):

@@ -103,3 +103,29 @@ def upcast(*tensors):
             t = t.detach().double().requires_grad_(t.requires_grad)
         out.append(t)
     return out
+
+
+def gradients(model_or_grads) -> dict:
+    if isinstance(model_or_grads, dict):
+        return model_or_grads
+    return {n: p.grad for n, p in model_or_grads.named_parameters()}
+
+
+def assert_same_gradients(ours, reference, dtype: torch.dtype = torch.float32, noise: float = 1e-6) -> None:
+    """Every parameter gradient of `ours` equals `reference`'s (rel err within the table's grad bound).
+
+    Either argument is a model or a {name: gradient} dict. A gradient that is zero in exact arithmetic
+    (the attention key bias: softmax ignores a shift shared by a whole row) is rounding noise on both
+    sides: it must be noise-sized (noise x the largest gradient norm) on both."""
+    ours, reference = gradients(ours), gradients(reference)
+    assert set(ours) == set(reference), f"parameters differ: {sorted(set(ours) ^ set(reference))}"
+    floor = noise * max(float(g.norm()) for g in reference.values() if g is not None)
+    tol = tolerance(dtype, "grad")
+    for name, ref in reference.items():
+        got = ours[name]
+        assert got is not None and ref is not None, f"{name}: no gradient"
+        if float(ref.norm()) <= floor:
+            assert float(got.norm()) <= floor, f"{name}: gradient should be ~0, norm {float(got.norm()):.3g}"
+            continue
+        err = rel_err(got, ref)
+        assert err <= tol, f"{name}: grad rel err {err:.3g} > {tol:g}"

@@ -22,38 +22,42 @@ def test_reference_always_qualifies_and_reasons_are_words():
         assert reasons and all(isinstance(r, str) and len(r) > 10 for r in reasons)
 
 
-def test_reason_lists_dtype_device_head_dim_and_probabilities():
+@pytest.fixture
+def restore_registry():
+    """Tests that register stand-in backends put the real registry back afterwards."""
+    saved = {op: dict(impls) for op, impls in dispatch._REGISTRY.items()}
+    yield
+    for op, impls in saved.items():
+        dispatch._REGISTRY[op].clear()
+        dispatch._REGISTRY[op].update(impls)
+
+
+def test_reason_lists_dtype_device_head_dim_and_probabilities(restore_registry):
     impl_support = dispatch.Support(("cuda",), (torch.float16,), head_dims=(32, 64), dropout=False)
     dispatch.register("attention", "cuda", impl_support)(lambda *a: None)
-    try:
-        q = torch.randn(1, 1, 2, 48)
-        reasons = dispatch.not_supported_reasons(
-            "attention", "cuda", {"tensors": (q,), "head_dim": 48, "dropout_p": 0.1, "need_weights": True})
-        if dispatch.machine_reasons("cuda"):
-            assert reasons == list(dispatch.machine_reasons("cuda"))
-        else:
-            text = " | ".join(reasons)
-            for words in ("tensors on cpu", "dtype float32", "head_dim 48", "dropout_p > 0", "probabilities"):
-                assert words in text
-    finally:
-        dispatch._REGISTRY["attention"].pop("cuda")
+    q = torch.randn(1, 1, 2, 48)
+    reasons = dispatch.not_supported_reasons(
+        "attention", "cuda", {"tensors": (q,), "head_dim": 48, "dropout_p": 0.1, "need_weights": True})
+    if dispatch.machine_reasons("cuda"):
+        assert reasons == list(dispatch.machine_reasons("cuda"))
+    else:
+        text = " | ".join(reasons)
+        for words in ("tensors on cpu", "dtype float32", "head_dim 48", "dropout_p > 0", "probabilities"):
+            assert words in text
 
 
-def test_fallback_logged_once_per_op_and_reason(caplog):
+def test_fallback_logged_once_per_op_and_reason(caplog, restore_registry):
     dispatch.register("dense", "cpu", dispatch.Support(("cpu",), (torch.bfloat16,)))(lambda *a: None)
-    try:
-        dispatch._logged.clear()
-        x, w = torch.randn(2, 4), torch.randn(3, 4)
-        with caplog.at_level(logging.WARNING, logger="fastbert"):
-            for _ in range(3):
-                ops.dense(x, w)
-        fallbacks = [r for r in caplog.records if "falls back" in r.getMessage()]
-        if dispatch.machine_reasons("cpu"):
-            assert len(fallbacks) == 1 and "fastbert._C was not built" in fallbacks[0].getMessage()
-        else:
-            assert len(fallbacks) == 1 and "dtype float32" in fallbacks[0].getMessage()
-    finally:
-        dispatch._REGISTRY["dense"].pop("cpu")
+    dispatch._logged.clear()
+    x, w = torch.randn(2, 4), torch.randn(3, 4)
+    with caplog.at_level(logging.WARNING, logger="fastbert"):
+        for _ in range(3):
+            ops.dense(x, w)
+    fallbacks = [r for r in caplog.records if "falls back" in r.getMessage()]
+    if dispatch.machine_reasons("cpu"):
+        assert len(fallbacks) == 1 and "fastbert._C was not built" in fallbacks[0].getMessage()
+    else:
+        assert len(fallbacks) == 1 and "dtype float32" in fallbacks[0].getMessage()
 
 
 def test_forced_backend_that_cannot_serve_raises_with_reasons():
@@ -123,3 +127,15 @@ def test_poison_outputs_fills_nan_only_inside_the_block():
         assert torch.isnan(dispatch.empty(3, dtype=torch.float32, device="cpu")).all()
     t = dispatch.empty(3, dtype=torch.float32, device="cpu").fill_(1.0)
     assert torch.equal(t, torch.ones(3))
+
+
+def test_ops_follow_autocast():
+    model = fastbert.BertModel(fastbert.BertConfig.tiny(vocab_size=50)).eval()
+    ids = torch.randint(0, 50, (2, 6))
+    with torch.autocast("cpu", dtype=torch.bfloat16), dispatch.record() as calls:
+        out = model(ids).last_hidden_state
+    assert out.dtype == torch.bfloat16
+    reference = model.to(torch.bfloat16)(ids).last_hidden_state
+    assert (out.float() - reference.float()).norm() / reference.float().norm() < 2e-2
+    if not dispatch.machine_reasons("cpu"):  # and every op ran on the kernels, in bf16
+        assert calls and all(c.backend == "cpu" for c in calls), calls

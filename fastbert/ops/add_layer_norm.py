@@ -9,6 +9,7 @@ from fastbert import dispatch
 from fastbert.ops import _checks, reference
 
 
+@dispatch.follows_autocast
 def add_layer_norm(x, residual, weight, bias, eps: float, dropout_p: float = 0.0) -> torch.Tensor:
     """x, residual [..., N]; weight, bias [N]. Statistics over the last dimension."""
     _checks.tensor("x", x, (1, 2, 3))

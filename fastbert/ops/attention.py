@@ -7,6 +7,7 @@ from fastbert import dispatch
 from fastbert.ops import _checks, reference
 
 
+@dispatch.follows_autocast
 def attention(q, k, v, attention_mask=None, dropout_p: float = 0.0, scale: float | None = None, need_weights=False):
     """q, k, v [B, heads, S, d]; attention_mask [B, S], 1 = keep (bool, int or float 0/1).
     Returns [B, heads, S, d]; with need_weights=True also the probabilities [B, heads, S, S].
@@ -27,6 +28,7 @@ def attention(q, k, v, attention_mask=None, dropout_p: float = 0.0, scale: float
     return dispatch.call("attention", inputs, q, k, v, attention_mask, float(dropout_p), scale, need_weights)
 
 
+@dispatch.follows_autocast
 def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, dropout_p: float = 0.0, scale: float | None = None):
     """q, k, v [T, heads, d] packed; cu_seqlens int32 [B + 1] from 0 to T; max_seqlen the longest length."""
     for name, t in (("q", q), ("k", k), ("v", v)):

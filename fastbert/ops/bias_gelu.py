@@ -9,6 +9,7 @@ from fastbert.ops import _checks, reference
 APPROXIMATIONS = ("none", "tanh")
 
 
+@dispatch.follows_autocast
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """gelu(x + bias); x [..., N], bias [N]. approximate="tanh" for gelu_new / gelu_pytorch_tanh."""
     _checks.tensor("x", x, (1, 2, 3, 4))

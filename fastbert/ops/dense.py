@@ -8,6 +8,7 @@ from fastbert.ops import _checks, _onednn, reference
 from fastbert.ops import bias_gelu as _bias_gelu  # noqa: F401  (registers fastbert::bias_gelu_cpu)
 
 
+@dispatch.follows_autocast
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, activation: str = "none"):
     """x [..., K], weight [N, K], bias [N] or None -> [..., N]; activation "none" | "gelu" | "gelu_tanh"."""
     _checks.tensor("x", x, (1, 2, 3, 4))

@@ -8,6 +8,7 @@ from fastbert.ops import _checks, _onednn, reference
 from fastbert.ops.dense import linear_backward  # importing it registers fastbert::dense_cpu
 
 
+@dispatch.follows_autocast
 def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int):
     """x [B, S, H] or [T, H]; weight [3H, H] (rows: q, k, v); bias [3H].
     Returns q, k, v, each [B, heads, S, d] (or [T, heads, d])."""

@@ -1,0 +1,525 @@
+"""Training: the loop behind `python -m fastbert pretrain` and `python -m fastbert finetune`.
+
+One loop for both: AdamW, linear warmup then linear decay, gradient accumulation, gradient clipping,
+optional bf16 autocast and gradient checkpointing, DistributedDataParallel under torchrun, a progress
+bar, HF-format checkpoints that resume exactly, and a loss-curve PNG.
+
+Each optimizer step takes `batch_size` examples. They are split into `grad_accum` micro-batches, and
+each micro-batch into one piece per process. Losses are sums over the piece divided by counts over
+the whole step batch (masked tokens, examples), so accumulation and DDP compute the gradient of the
+same loss as one process on the whole batch: runs differ only in rounding.
+
+    from fastbert.train import TrainArgs, pretrain, finetune
+    pretrain("corpus.txt", TrainArgs(out="runs/mlm", steps=1000))
+    finetune("train.csv", "runs/mlm", TrainArgs(out="runs/cls", epochs=3), eval_file="dev.csv")
+"""
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from fastbert import data
+from fastbert.config import PRESETS, BertConfig
+
+STATE_FILE = "training_state.pt"  # optimizer, scheduler, data position, history: tensors and plain containers
+LOSS_PLOT = "loss.png"
+
+
+@dataclass
+class TrainArgs:
+    out: str  # directory for the final model and checkpoint-<step>/ folders
+    steps: int = 1000  # optimizer steps (ignored when epochs is given)
+    epochs: float | None = None  # passes over the training data, instead of steps
+    batch_size: int = 32  # examples per optimizer step: all micro-batches and processes together
+    grad_accum: int = 1  # micro-batches per optimizer step
+    lr: float = 1e-4  # peak learning rate
+    weight_decay: float = 0.01  # AdamW decay of matrices (biases and LayerNorm weights are not decayed)
+    warmup_steps: int | None = None  # linear warmup to lr; default 10% of the steps
+    max_grad_norm: float = 1.0  # clip the global gradient norm to this (0: no clipping)
+    max_length: int = 128  # tokens per example
+    bf16: bool = False  # torch.autocast to bfloat16 (weights and optimizer stay float32)
+    gradient_checkpointing: bool = False  # recompute encoder layers in backward: less memory, more compute
+    seed: int = 0  # initialization, data order, masking and dropout
+    save_every: int = 0  # also save out/checkpoint-<step> every this many steps (0: only at the end)
+    resume: str | None = None  # a checkpoint directory to continue from
+    device: str | None = None  # default: cuda if available, else cpu
+    progress: bool = True  # show a progress bar (on the first process)
+
+
+# ------------------------------------------------------------------------------ data
+
+
+def mix_seed(*numbers: int) -> int:
+    """One 63-bit seed from several integers (seed, epoch, step, rank), different for different tuples
+    (a multiplicative hash: collisions are possible in principle, harmless, and vanishingly rare)."""
+    h = 0
+    for n in numbers:
+        h = (h * 0x9E3779B97F4A7C15 + n + 1) % (1 << 63)
+    return h
+
+
+class BatchStream:
+    """Endless, seeded batches. Epoch e draws its examples (`make_epoch`, e.g. new NSP pairs) and their
+    order from a generator seeded by (seed, e), which then also drives `collate` (e.g. masking). The
+    state (epoch, position, generator state) lets a resumed run see exactly the batches an
+    uninterrupted run would have seen. An epoch's last incomplete batch is dropped."""
+
+    def __init__(self, make_epoch, collate, batch_size: int, seed: int):
+        self.make_epoch, self.collate, self.batch_size, self.seed = make_epoch, collate, batch_size, seed
+        self._start(0)
+
+    def _start(self, epoch: int) -> None:
+        self.epoch, self.position = epoch, 0
+        self.generator = torch.Generator().manual_seed(mix_seed(self.seed, epoch))
+        self.examples = self.make_epoch(self.generator)
+        if len(self.examples) < self.batch_size:
+            raise ValueError(f"the data has {len(self.examples)} examples per epoch, fewer than one batch "
+                             f"({self.batch_size}): use a smaller --batch-size or more data")
+        self.order = torch.randperm(len(self.examples), generator=self.generator).tolist()
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return len(self.examples) // self.batch_size
+
+    def next(self) -> dict[str, torch.Tensor]:
+        if self.position + self.batch_size > len(self.order):
+            self._start(self.epoch + 1)
+        chosen = [self.examples[i] for i in self.order[self.position : self.position + self.batch_size]]
+        self.position += self.batch_size
+        return self.collate(chosen, self.generator)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._start(state["epoch"])  # the same examples and order as before
+        self.position = state["position"]
+        self.generator.set_state(state["generator"])
+
+
+def split_rows(batch: dict[str, torch.Tensor], parts: int) -> list[dict[str, torch.Tensor]]:
+    """`parts` equal row slices of a batch, each without the columns that are padding in all its rows."""
+    rows = len(batch["input_ids"])
+    if rows % parts:
+        raise ValueError(f"a batch of {rows} examples does not split into {parts} equal parts")
+    size = rows // parts
+    pieces = []
+    for i in range(parts):
+        piece = {k: v[i * size : (i + 1) * size] for k, v in batch.items()}
+        length = int(piece["attention_mask"].sum(1).max())
+        pieces.append({k: v[:, :length] if v.dim() == 2 else v for k, v in piece.items()})
+    return pieces
+
+
+def step_counts(batch: dict[str, torch.Tensor]) -> dict[str, int]:
+    """What the losses of one optimizer step are averaged over: examples, and scored (masked) tokens."""
+    counts = {"examples": len(batch["input_ids"])}
+    if "labels" in batch:
+        counts["scored"] = max(int((batch["labels"] != data.IGNORE).sum()), 1)
+    return counts
+
+
+# ------------------------------------------------------------------------------ losses
+
+
+def _model_inputs(batch):
+    return {k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in batch}
+
+
+def pretraining_loss(model, batch, counts) -> torch.Tensor:
+    """BERT's loss, MLM + NSP, as transformers' BertForPreTraining computes it over the whole step batch:
+    sums over this piece, divided by the step's counts. Logits go to float32 first (bf16 autocast)."""
+    out = model(**_model_inputs(batch))
+    logits = out.prediction_logits.float()  # [B, S, V]
+    mlm = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=data.IGNORE, reduction="sum")
+    nsp = F.cross_entropy(out.seq_relationship_logits.float(), batch["next_sentence_label"], reduction="sum")
+    return mlm / counts["scored"] + nsp / counts["examples"]
+
+
+def classification_loss(model, batch, counts) -> torch.Tensor:
+    """Single-label cross entropy, a mean over the step's examples."""
+    logits = model(**_model_inputs(batch)).logits.float()  # [B, L]
+    return F.cross_entropy(logits, batch["label"], reduction="sum") / counts["examples"]
+
+
+# ------------------------------------------------------------------------------ optimizer
+
+
+def make_optimizer(model, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW; as in BERT, biases and LayerNorm weights (every 1-D parameter) are not decayed."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr)
+
+
+def linear_schedule(optimizer, warmup_steps: int, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Learning rate rising linearly to its peak over warmup_steps, then falling linearly to 0 at total_steps."""
+    def factor(step: int) -> float:  # step: optimizer steps taken so far
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps  # the first step already moves (no wasted step at lr 0)
+        return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+# ------------------------------------------------------------------------------ processes and checkpoints
+
+
+def distributed() -> tuple[int, int]:
+    """(rank, world size). Under torchrun with more than one process, joins the process group
+    (gloo on CPU, nccl on CUDA)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank(), world
+
+
+def pick_device(args: TrainArgs) -> torch.device:
+    if args.device is not None:
+        return torch.device(args.device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def plot_losses(losses: list[float], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(range(1, len(losses) + 1), losses, linewidth=1)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training loss")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def save_checkpoint(directory, model, tokenizer, optimizer, scheduler, stream, history, args) -> None:
+    """A directory transformers can load (config.json, model.safetensors, tokenizer files) plus the
+    training state for --resume and the loss curve. history: per-step lists loss, grad_norm, lr."""
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    state = {"step": len(history["loss"]), **history, "optimizer": optimizer.state_dict(),
+             "scheduler": scheduler.state_dict(), "data": stream.state_dict()}
+    torch.save(state, os.path.join(directory, STATE_FILE))
+    with open(os.path.join(directory, "training_args.json"), "w", encoding="utf-8") as f:
+        json.dump(asdict(args), f, indent=2, default=str)  # for the record (paths as strings)
+    plot_losses(history["loss"], os.path.join(directory, LOSS_PLOT))
+
+
+def state_path(directory) -> str:
+    """The training state file of a checkpoint to resume from; a clear error when there is none."""
+    path = os.path.join(directory, STATE_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"cannot resume from {directory}: no {STATE_FILE} (was it saved by fastbert.train?)")
+    return path
+
+
+def load_training_state(directory) -> dict:
+    return torch.load(state_path(directory), map_location="cpu", weights_only=True)  # tensors and plain containers only
+
+
+# ------------------------------------------------------------------------------ the loop
+
+
+def train(model, tokenizer, stream: BatchStream, loss_fn, args: TrainArgs) -> list[float]:
+    """Train `model` on batches from `stream` with `loss_fn(model, piece, counts)`; save to args.out.
+    Resumes from args.resume (a checkpoint this function saved; the model must already hold its
+    weights). Returns the loss of every optimizer step, from step 1; the checkpoints also keep each
+    step's gradient norm (before clipping) and learning rate."""
+    from tqdm import tqdm
+
+    rank, world = distributed()
+    if args.batch_size % (args.grad_accum * world):
+        raise ValueError(f"--batch-size {args.batch_size} must be divisible by --grad-accum ({args.grad_accum}) "
+                         f"x processes ({world})")
+    total_steps = math.ceil(args.epochs * stream.batches_per_epoch) if args.epochs is not None else args.steps
+    warmup = args.warmup_steps if args.warmup_steps is not None else total_steps // 10
+    device = pick_device(args)
+    model.to(device).train()
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    optimizer = make_optimizer(model, args.lr, args.weight_decay)
+    scheduler = linear_schedule(optimizer, warmup, total_steps)
+    history = {"loss": [], "grad_norm": [], "lr": []}
+    if args.resume:
+        state = load_training_state(args.resume)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        stream.load_state_dict(state["data"])
+        history = {k: list(state[k]) for k in history}
+    step = len(history["loss"])
+    wrapped = model
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
+    progress = tqdm(total=total_steps, initial=step, desc="training", file=sys.stderr, dynamic_ncols=True,
+                    disable=not (args.progress and rank == 0))
+    while step < total_steps:
+        # Dropout draws from torch's global generator: seeding it per (step, process) makes a resumed
+        # run draw what an uninterrupted one would, and gives each process its own masks.
+        torch.manual_seed(mix_seed(args.seed, step, rank))
+        batch = stream.next()
+        counts = step_counts(batch)
+        micro_batches = split_rows(batch, args.grad_accum)
+        step_loss = torch.zeros((), device=device)
+        for k, micro in enumerate(micro_batches):
+            piece = {name: t.to(device) for name, t in split_rows(micro, world)[rank].items()}
+            # DDP averages gradients over processes at the last micro-batch's backward only.
+            sync = k == len(micro_batches) - 1 or world == 1
+            with contextlib.nullcontext() if sync else wrapped.no_sync():
+                with autocast:
+                    loss = loss_fn(wrapped, piece, counts)
+                (loss * world).backward()  # x world: DDP divides by it, and the loss is already a global mean
+            step_loss += loss.detach()
+        if world > 1:
+            dist.all_reduce(step_loss)  # the pieces' shares add up to the step batch's loss
+        # The global gradient norm, clipped to max_grad_norm (0: measured only).
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
+        history["lr"].append(scheduler.get_last_lr()[0])  # the rate this step uses
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        history["loss"].append(float(step_loss))
+        history["grad_norm"].append(float(grad_norm))
+        progress.update(1)
+        progress.set_postfix(loss=f"{history['loss'][-1]:.4f}", lr=f"{history['lr'][-1]:.2e}")
+        if rank == 0 and args.save_every and step % args.save_every == 0 and step < total_steps:
+            save_checkpoint(os.path.join(args.out, f"checkpoint-{step}"), model, tokenizer, optimizer, scheduler,
+                            stream, history, args)
+    progress.close()
+    if rank == 0:
+        save_checkpoint(args.out, model, tokenizer, optimizer, scheduler, stream, history, args)
+    model.eval()
+    return history["loss"]
+
+
+def _finish_distributed() -> None:
+    if dist.is_initialized():
+        dist.barrier()  # nobody leaves while the first process still saves
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------ tokenizers and configs
+
+
+def load_tokenizer(directory: str | None):
+    """A transformers tokenizer from `directory` (default: the bundled all-MiniLM-L6-v2's)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local directories only
+    import transformers
+
+    from fastbert.demo import minilm_dir
+
+    return transformers.AutoTokenizer.from_pretrained(directory or minilm_dir())
+
+
+def tokenizer_source(resume: str | None, tokenizer: str | None, model_dir: str | None) -> str | None:
+    """Where the tokenizer comes from: a resumed checkpoint's own, else the one asked for, else the
+    model directory's (when it has one), else None (the bundled one)."""
+    if resume:
+        return resume
+    if tokenizer:
+        return tokenizer
+    if model_dir and any(os.path.isfile(os.path.join(model_dir, f)) for f in ("tokenizer.json", "vocab.txt")):
+        return model_dir
+    return None
+
+
+def check_vocab(model, tokenizer) -> None:
+    if len(tokenizer) > model.config.vocab_size:
+        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {model.config.vocab_size}")
+
+
+def pretraining_config(name_or_path: str, vocab_size: int) -> BertConfig:
+    """A preset (tiny, base, large) sized to the tokenizer, or a config.json (file or its directory)."""
+    if name_or_path in PRESETS:
+        return BertConfig.preset(name_or_path, vocab_size=vocab_size)
+    path = os.path.join(name_or_path, "config.json") if os.path.isdir(name_or_path) else name_or_path
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--config {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json")
+    with open(path, encoding="utf-8") as f:
+        config = BertConfig.from_dict(json.load(f))
+    if config.vocab_size < vocab_size:
+        raise ValueError(f"{path}: vocab_size {config.vocab_size} is smaller than the tokenizer's {vocab_size} tokens")
+    return config
+
+
+def set_dropout(model, p: float | None) -> None:
+    """Every dropout rate of a built model (and its config, so a saved checkpoint says the same) to p."""
+    if p is None:
+        return
+    cfg = model.config
+    cfg.hidden_dropout_prob = cfg.attention_probs_dropout_prob = p
+    if cfg.classifier_dropout is not None:
+        cfg.classifier_dropout = p
+    cfg.validate()
+    for module in model.modules():  # the modules copied their rates from the config when built
+        if isinstance(module, torch.nn.Dropout):
+            module.p = p
+        if hasattr(module, "dropout_p"):  # fastbert's attention and output layers
+            module.dropout_p = p
+
+
+# ------------------------------------------------------------------------------ pretraining
+
+
+def pretrain(corpus: str, args: TrainArgs, tokenizer: str | None = None, config: str = "tiny",
+             mlm_probability: float = 0.15, dropout: float | None = None, model: str | None = None) -> list[float]:
+    """Pretrain BertForPreTraining (MLM + NSP) on a corpus file: one sentence per line, blank lines
+    between documents. A fresh model of `config`, or the checkpoint `model` (continued pretraining).
+    When resuming, the checkpoint's model and tokenizer are used."""
+    from fastbert.heads import BertForPreTraining
+
+    if args.resume:
+        state_path(args.resume)  # fail before any loading
+    tok = load_tokenizer(tokenizer_source(args.resume, tokenizer, model))
+    torch.manual_seed(args.seed)  # the initial weights (of missing heads, for a checkpoint)
+    if args.resume or model:
+        model = BertForPreTraining.from_pretrained(args.resume or model)
+    else:
+        model = BertForPreTraining(pretraining_config(config, len(tok)))
+    check_vocab(model, tok)
+    set_dropout(model, dropout)
+    if args.max_length > model.config.max_position_embeddings:
+        raise ValueError(f"--max-length {args.max_length} exceeds the model's max_position_embeddings "
+                         f"({model.config.max_position_embeddings})")
+    documents = data.tokenize_documents(data.read_corpus(corpus), tok)
+    collator = data.MLMCollator(tok, mlm_probability, args.max_length)
+    stream = BatchStream(lambda g: data.nsp_pairs(documents, tok, args.max_length, g), collator, args.batch_size, args.seed)
+    losses = train(model, tok, stream, pretraining_loss, args)
+    _finish_distributed()
+    return losses
+
+
+# ------------------------------------------------------------------------------ fine-tuning
+
+
+def read_labelled(path: str) -> list[tuple[str, str]]:
+    """(text, label) pairs from a CSV with text and label columns, or JSONL with {"text": ..., "label": ...}.
+    Labels come back as strings ("1", "positive")."""
+    path = os.fspath(path)
+    rows = []
+    if path.endswith((".jsonl", ".json")):
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    record = json.loads(line)
+                    if "text" not in record or "label" not in record:
+                        raise ValueError(f"{path}:{n}: each line needs \"text\" and \"label\"")
+                    rows.append((record["text"], str(record["label"])))
+    else:
+        with open(path, encoding="utf-8", newline="") as f:
+            reader = csv.DictReader(f)
+            if not {"text", "label"} <= set(reader.fieldnames or ()):
+                raise ValueError(f"{path}: a CSV needs text and label columns, found {reader.fieldnames}")
+            rows = [(r["text"], r["label"].strip()) for r in reader]
+    if not rows:
+        raise ValueError(f"{path} holds no examples")
+    return rows
+
+
+def label_names(labels: list[str], config: BertConfig) -> list[str]:
+    """Class names by id: the model's own (config label2id) when it knows every label; else 0..max for
+    integer labels, or the sorted names."""
+    known = config.extra.get("label2id") or {}
+    if known and set(labels) <= set(known):
+        return [name for name, _ in sorted(known.items(), key=lambda kv: kv[1])]
+    if all(label.lstrip("-").isdigit() for label in labels):
+        values = [int(label) for label in labels]
+        if min(values) < 0:
+            raise ValueError("integer labels must be 0 or more")
+        return [str(i) for i in range(max(max(values) + 1, 2))]
+    return sorted(set(labels))
+
+
+def classifier_for(model_dir: str, labels: list[str]):
+    """BertForSequenceClassification from a checkpoint, its head sized and named for `labels`."""
+    from torch import nn
+
+    from fastbert.heads import BertForSequenceClassification
+
+    model = BertForSequenceClassification.from_pretrained(model_dir)
+    cfg = model.config
+    names = label_names(labels, cfg)
+    if len(names) < 2:
+        raise ValueError(f"classification needs at least 2 classes, the data has {names}")
+    if cfg.num_labels != len(names):  # a new head of the right size, freshly initialized
+        model.classifier = nn.Linear(cfg.hidden_size, len(names))
+        model.init_weights(model.classifier)
+        model.num_labels = cfg.num_labels = len(names)
+    cfg.extra["id2label"] = {str(i): name for i, name in enumerate(names)}
+    cfg.extra["label2id"] = {name: i for i, name in enumerate(names)}
+    cfg.problem_type = "single_label_classification"
+    cfg.validate()
+    return model
+
+
+def classification_examples(rows, tokenizer, label2id: dict[str, int], max_length: int) -> list[dict]:
+    unknown = sorted({label for _, label in rows} - set(label2id))
+    if unknown:
+        raise ValueError(f"labels {unknown} are not among the model's classes {sorted(label2id)}")
+    enc = tokenizer([text for text, _ in rows], truncation=True, max_length=max_length)
+    return [{"input_ids": ids, "token_type_ids": types, "label": label2id[label]}
+            for ids, types, (_, label) in zip(enc["input_ids"], enc["token_type_ids"], rows)]
+
+
+@torch.no_grad()
+def evaluate(model, examples: list[dict], pad_token_id: int, batch_size: int = 64, bf16: bool = False) -> dict:
+    """Accuracy and mean cross entropy of a sequence classifier on labelled examples."""
+    model.eval()
+    device = next(model.parameters()).device
+    correct, loss = 0, 0.0
+    for i in range(0, len(examples), batch_size):
+        batch = {k: v.to(device) for k, v in data.collate(examples[i : i + batch_size], pad_token_id).items()}
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            logits = model(**_model_inputs(batch)).logits.float()
+        correct += int((logits.argmax(-1) == batch["label"]).sum())
+        loss += float(F.cross_entropy(logits, batch["label"], reduction="sum"))
+    return {"accuracy": correct / len(examples), "correct": correct, "total": len(examples), "loss": loss / len(examples)}
+
+
+def finetune(train_file: str, model_dir: str, args: TrainArgs, eval_file: str | None = None,
+             tokenizer: str | None = None, dropout: float | None = None) -> dict:
+    """Fine-tune BertForSequenceClassification from `model_dir` on labelled texts (CSV or JSONL).
+    The tokenizer defaults to the model directory's, else the bundled one. Returns {"losses": [...]}
+    plus the --eval file's accuracy, loss and counts (also written to out/eval_results.json)."""
+    rows = read_labelled(train_file)
+    if args.resume:
+        state_path(args.resume)  # fail before any loading
+    tok = load_tokenizer(tokenizer_source(args.resume, tokenizer, model_dir))
+    torch.manual_seed(args.seed)  # a fresh head's initial weights
+    model = classifier_for(args.resume or model_dir, [label for _, label in rows])
+    check_vocab(model, tok)
+    set_dropout(model, dropout)
+    label2id = model.config.extra["label2id"]
+    examples = classification_examples(rows, tok, label2id, args.max_length)
+    stream = BatchStream(lambda g: examples, lambda chosen, g: data.collate(chosen, tok.pad_token_id),
+                         args.batch_size, args.seed)
+    result = {"losses": train(model, tok, stream, classification_loss, args)}
+    rank, _ = distributed()
+    if eval_file and rank == 0:
+        eval_examples = classification_examples(read_labelled(eval_file), tok, label2id, args.max_length)
+        result.update(evaluate(model, eval_examples, tok.pad_token_id, bf16=args.bf16))
+        with open(os.path.join(args.out, "eval_results.json"), "w", encoding="utf-8") as f:
+            json.dump({k: v for k, v in result.items() if k != "losses"}, f, indent=2)
+    _finish_distributed()
+    return result

@@ -1,0 +1,410 @@
+"""Training: transformers' loss and gradients, gradient checkpointing, the pretrain / finetune commands,
+exact resume, gradient accumulation and DDP equal to one process on the whole batch."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+import fastbert
+from fastbert import testing
+from fastbert import data, train
+from fastbert.__main__ import main
+from fastbert.testing import rel_err
+from hf_twins import twins
+from training_data import small_tokenizer, sentiment_rows, write_corpus, write_csv, write_jsonl
+
+# A small BERT over the small tokenizer's vocabulary (about 60 tokens).
+SMALL = dict(hidden_size=64, num_attention_heads=2, num_hidden_layers=2, intermediate_size=128)
+NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # These shapes are tiny: on a busy machine, waiting for a second OpenMP thread costs ~100x the work.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def pretraining_stream(tmp_path, tok, batch_size, seed=0, max_length=32):
+    """The pretrain command's batches (NSP pairs, masked) over a small corpus file."""
+    documents = data.tokenize_documents(data.read_corpus(write_corpus(tmp_path / "corpus.txt")), tok)
+    return train.BatchStream(lambda g: data.nsp_pairs(documents, tok, max_length, g), data.MLMCollator(tok),
+                             batch_size, seed)
+
+
+def assert_same_gradients(ours, theirs):
+    testing.assert_same_gradients(ours, theirs)
+
+
+# ------------------------------------------------------------------------------ parity with transformers
+
+
+def test_training_step_matches_transformers(tmp_path):
+    tok = small_tokenizer()
+    ours, theirs = twins(model_class="BertForPreTraining", vocab_size=len(tok), **SMALL)
+    ours.train(), theirs.train()  # dropout is 0: training mode changes no number
+    batch = pretraining_stream(tmp_path, tok, batch_size=8).next()
+    assert 0 < int((batch["labels"] != -100).sum()) and int(batch["next_sentence_label"].sum()) not in (0, 8)
+    counts = train.step_counts(batch)
+    loss_ours = train.pretraining_loss(ours, batch, counts)
+    loss_theirs = train.pretraining_loss(theirs, batch, counts)
+    assert rel_err(loss_ours, loss_theirs) <= 1e-5, f"loss rel err {rel_err(loss_ours, loss_theirs):.3g}"
+    # The loop's loss on a whole batch is the one BertForPreTraining computes from labels.
+    builtin = theirs(**batch_inputs(batch), labels=batch["labels"], next_sentence_label=batch["next_sentence_label"]).loss
+    assert rel_err(loss_theirs, builtin) <= 1e-6
+    loss_ours.backward()
+    loss_theirs.backward()
+    assert_same_gradients(ours, theirs)
+
+
+def batch_inputs(batch):
+    return {k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids")}
+
+
+def test_adamw_steps_match_transformers(tmp_path):
+    """20 AdamW steps (warmup, decay, clipping) on the same batches: the loss curves agree step by step."""
+    tok = small_tokenizer()
+    ours, theirs = twins(model_class="BertForPreTraining", vocab_size=len(tok), **SMALL)
+    curves = {}
+    for name, model in (("fastbert", ours), ("transformers", theirs)):
+        model.train()
+        optimizer = train.make_optimizer(model, lr=1e-3, weight_decay=0.01)
+        scheduler = train.linear_schedule(optimizer, warmup_steps=4, total_steps=20)
+        stream = pretraining_stream(tmp_path, tok, batch_size=8)  # a fresh stream: the same 20 batches
+        curves[name] = []
+        for _ in range(20):
+            batch = stream.next()
+            loss = train.pretraining_loss(model, batch, train.step_counts(batch))
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            curves[name].append(float(loss.detach()))
+    a, b = curves["fastbert"], curves["transformers"]
+    assert sum(a[-5:]) < sum(a[:5]), f"the loss did not go down: {a}"
+    worst = max(abs(x - y) / abs(y) for x, y in zip(a, b))
+    print(f"20 AdamW steps: loss curves differ by at most {worst:.3g} (relative)")
+    assert worst <= 1e-4, f"loss curves differ by up to {worst:.3g} (relative):\n{a}\n{b}"
+
+
+# ------------------------------------------------------------------------------ gradient checkpointing
+
+
+def saved_activation_bytes(model, batch) -> int:
+    """Bytes of the distinct tensors autograd keeps for backward over one forward, parameters excluded
+    (with checkpointing: each layer's input, and what the layers outside the encoder save)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = train.pretraining_loss(model, batch, train.step_counts(batch))
+    loss.backward()
+    return sum(kept.values())
+
+
+def masked_batch(vocab_size, batch_size, seq, seed=0):
+    """A random pretraining batch: padded rows, ~15% of tokens scored, NSP labels."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, vocab_size, (batch_size, seq), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, seq // 2 :] = 0
+    labels = torch.where((torch.rand(ids.shape, generator=g) < 0.15) & (mask == 1), ids, -100)
+    return {"input_ids": ids * mask, "attention_mask": mask, "token_type_ids": torch.zeros_like(ids),
+            "labels": labels, "next_sentence_label": torch.randint(0, 2, (batch_size,), generator=g)}
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_gradient_checkpointing_gives_the_same_gradients(dropout):
+    cfg = fastbert.BertConfig(vocab_size=100, **SMALL, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    model = fastbert.BertForPreTraining(cfg).train()
+    batch = masked_batch(100, 4, 16)
+    grads = {}
+    for checkpointing in (False, True):
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        assert model.is_gradient_checkpointing == checkpointing
+        model.zero_grad()
+        torch.manual_seed(0)  # the same dropout masks; checkpointing replays them in the recomputation
+        train.pretraining_loss(model, batch, train.step_counts(batch)).backward()
+        grads[checkpointing] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for name, g in grads[False].items():
+        assert rel_err(grads[True][name], g) <= 1e-6, f"{name}: rel err {rel_err(grads[True][name], g):.3g}"
+    model.gradient_checkpointing_disable()
+    assert not model.is_gradient_checkpointing
+
+
+def test_gradient_checkpointing_keeps_less_for_backward():
+    cfg = fastbert.BertConfig(vocab_size=100, hidden_size=64, num_attention_heads=2, num_hidden_layers=4,
+                              intermediate_size=256, **NO_DROPOUT)
+    model = fastbert.BertForPreTraining(cfg).train()
+    batch = masked_batch(100, 4, 64)
+    plain = saved_activation_bytes(model, batch)
+    model.gradient_checkpointing_enable()
+    checkpointed = saved_activation_bytes(model, batch)
+    print(f"bytes saved for backward: {plain} without checkpointing, {checkpointed} with")
+    # Four layers of activations against four layer inputs: well under half.
+    assert checkpointed < 0.5 * plain, f"{checkpointed} bytes with checkpointing, {plain} without"
+    # Only while training with gradients: evaluation is a plain forward.
+    model.eval()
+    assert saved_activation_bytes(model, batch) == plain
+
+
+# ------------------------------------------------------------------------------ the commands
+
+
+def run(*argv):
+    """python -m fastbert ARGV, in this process."""
+    assert main([str(a) for a in argv]) == 0
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    """A corpus file and a tokenizer directory for it."""
+    small_tokenizer().save_pretrained(tmp_path / "tok")
+    return write_corpus(tmp_path / "corpus.txt"), tmp_path / "tok"
+
+
+def pretrain_args(corpus, out, *extra):
+    path, tok = corpus
+    return ["pretrain", "--corpus", path, "--tokenizer", tok, "--out", out, "--steps", 6, "--batch-size", 8,
+            "--max-length", 32, "--lr", 1e-3, "--no-progress", *extra]
+
+
+def weights(directory):
+    return load_file(os.path.join(directory, "model.safetensors"))
+
+
+def test_pretrain_writes_an_hf_checkpoint(tmp_path, corpus):
+    out = tmp_path / "run"
+    run(*pretrain_args(corpus, out))
+    names = set(os.listdir(out))
+    assert {"config.json", "model.safetensors", "tokenizer.json", "training_state.pt", "loss.png"} <= names
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    state = torch.load(out / "training_state.pt", weights_only=True)  # tensors and plain containers only
+    assert state["step"] == 6 and len(state["loss"]) == 6
+    assert all(torch.isfinite(torch.tensor(state["loss"])))
+    # transformers reads the directory: the same weights and the same predictions.
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert len(tok) == len(small_tokenizer())
+    theirs = transformers.BertForPreTraining.from_pretrained(out).eval()
+    ours = fastbert.BertForPreTraining.from_pretrained(out)
+    assert ours.config.vocab_size == len(tok) and ours.config.hidden_size == fastbert.BertConfig.tiny().hidden_size
+    enc = tok(["the cat sat on the mat ."], return_tensors="pt")
+    a, b = ours(**enc), theirs(**enc)
+    assert rel_err(a.prediction_logits, b.prediction_logits) <= 1e-5
+    for name, value in theirs.state_dict().items():
+        assert torch.equal(ours.state_dict()[name], value), name
+
+
+def test_pretrain_resume_matches_an_uninterrupted_run(tmp_path, corpus):
+    """N steps straight, and N/2 + resume + N/2, give the same parameters (dropout on: it is replayed too)."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run(*pretrain_args(corpus, straight, "--save-every", 3, "--grad-accum", 2))
+    half = straight / "checkpoint-3"
+    assert torch.load(half / "training_state.pt", weights_only=True)["step"] == 3
+    run(*pretrain_args(corpus, resumed, "--resume", half, "--grad-accum", 2))
+    a, b = weights(straight), weights(resumed)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{name}: max diff {float((a[name] - b[name]).abs().max()):.3g}"
+    # The resumed run's record continues the first half's.
+    states = [torch.load(d / "training_state.pt", weights_only=True) for d in (straight, half, resumed)]
+    for key in ("loss", "grad_norm", "lr"):
+        assert states[2][key] == states[0][key] and states[1][key] == states[0][key][:3], key
+    # And the halfway weights are not the final ones: the second half did train.
+    assert not torch.equal(weights(half)["cls.seq_relationship.weight"], a["cls.seq_relationship.weight"])
+
+
+@pytest.fixture
+def start(tmp_path):
+    """A checkpoint to continue pretraining from, with random non-zero biases and LayerNorms.
+
+    Comparing two runs parameter by parameter needs it: a zero-initialized bias after a few AdamW
+    steps holds nothing but a few updates of about +-lr, and AdamW's update of an element whose
+    gradient is rounding-sized is itself arbitrary, so one such element dominates its tensor's
+    relative error. Against parameters of realistic size those elements are what they are: rounding."""
+    directory = tmp_path / "start"
+    model = fastbert.BertForPreTraining(fastbert.BertConfig(vocab_size=len(small_tokenizer()), **SMALL, **NO_DROPOUT))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(directory)
+    return directory
+
+
+def assert_same_parameters(a, b, tol=1e-5):
+    """Every parameter within `tol` (rel err), the key bias aside: its gradient is zero in exact
+    arithmetic (softmax ignores it), so AdamW turns each run's own rounding noise into small steps.
+    It is held to 1e-2 (measured: ~7e-5 after 4 steps; every other parameter ~1e-6)."""
+    for name in a:
+        if name.endswith("attention.self.key.bias"):
+            assert rel_err(a[name], b[name]) <= 1e-2, f"{name}: rel err {rel_err(a[name], b[name]):.3g}"
+            continue
+        assert rel_err(a[name], b[name]) <= tol, f"{name}: rel err {rel_err(a[name], b[name]):.3g}"
+
+
+def test_gradient_accumulation_matches_the_whole_batch(tmp_path, corpus, start):
+    """Losses are averaged over the whole step batch (masked tokens, examples), so 4 micro-batches give
+    the gradient of one batch of 8."""
+    run(*pretrain_args(corpus, tmp_path / "one", "--model", start, "--steps", 4))
+    run(*pretrain_args(corpus, tmp_path / "four", "--model", start, "--steps", 4, "--grad-accum", 4))
+    assert_same_parameters(weights(tmp_path / "one"), weights(tmp_path / "four"))
+    one, four = (torch.load(tmp_path / d / "training_state.pt", weights_only=True) for d in ("one", "four"))
+    for key in ("loss", "grad_norm"):  # AdamW hardly sees a gradient's scale: the norms show it is right
+        worst = max(abs(x - y) / y for x, y in zip(one[key], four[key]))
+        assert worst <= 1e-5, f"{key}: {one[key]} vs {four[key]}"
+
+
+def test_ddp_matches_one_process(tmp_path, corpus, start):
+    """torchrun with 2 processes (gloo, CPU), each on half of every batch, ends where one process on the
+    whole batches ends."""
+    run(*pretrain_args(corpus, tmp_path / "single", "--model", start, "--steps", 4))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "fastbert", *map(str, pretrain_args(corpus, tmp_path / "ddp", "--model", start, "--steps", 4))]
+    done = subprocess.run(command, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("pretrained 4 steps") == 1  # one process reports
+    single, ddp = (torch.load(tmp_path / d / "training_state.pt", weights_only=True) for d in ("single", "ddp"))
+    # AdamW hardly sees a gradient's scale: the gradient norms show it is right.
+    for key in ("loss", "grad_norm"):
+        worst = max(abs(x - y) / y for x, y in zip(single[key], ddp[key]))
+        assert worst <= 1e-5, f"{key}: {single[key]} vs {ddp[key]}"
+    assert_same_parameters(weights(tmp_path / "single"), weights(tmp_path / "ddp"))
+
+
+def test_pretrain_learns(tmp_path, corpus):
+    out = tmp_path / "run"
+    run(*pretrain_args(corpus, out, "--steps", 40, "--lr", 2e-3, "--warmup-steps", 4))
+    losses = torch.load(out / "training_state.pt", weights_only=True)["loss"]
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5, losses
+
+
+def test_bf16_autocast(tmp_path, corpus):
+    model = fastbert.BertForPreTraining(fastbert.BertConfig(vocab_size=len(small_tokenizer()), **SMALL)).train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(torch.randint(5, len(small_tokenizer()), (2, 8))).prediction_logits
+    assert logits.dtype == torch.bfloat16  # fastbert.ops run in the autocast dtype, as transformers' BERT does
+    out = tmp_path / "run"
+    run(*pretrain_args(corpus, out, "--bf16", "--steps", 4))
+    losses = torch.load(out / "training_state.pt", weights_only=True)["loss"]
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert all(v.dtype == torch.float32 for v in weights(out).values())  # autocast: float32 weights
+
+
+def test_gradient_checkpointing_flag_changes_no_result(tmp_path, corpus):
+    run(*pretrain_args(corpus, tmp_path / "plain", "--steps", 3))
+    run(*pretrain_args(corpus, tmp_path / "ckpt", "--steps", 3, "--gradient-checkpointing"))
+    a, b = weights(tmp_path / "plain"), weights(tmp_path / "ckpt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_linear_schedule():
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = train.linear_schedule(optimizer, warmup_steps=4, total_steps=10)
+    rates = []
+    for _ in range(10):
+        rates.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    expected = [0.25, 0.5, 0.75, 1.0, 1.0, 5 / 6, 4 / 6, 3 / 6, 2 / 6, 1 / 6]
+    assert rates == pytest.approx(expected), rates
+    assert scheduler.get_last_lr()[0] == 0.0
+
+
+def test_default_tokenizer_and_module_entry_point(tmp_path):
+    """`python -m fastbert pretrain` as a user runs it: the bundled tokenizer, the tiny preset."""
+    corpus = write_corpus(tmp_path / "corpus.txt", documents=4, per_document=4)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-m", "fastbert", "pretrain", "--corpus", str(corpus), "--out",
+                           str(tmp_path / "run"), "--steps", "2", "--batch-size", "4", "--max-length", "32"],
+                          env=env, capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "pretrained 2 steps" in done.stdout
+    assert "training" in done.stderr  # the progress bar
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["vocab_size"] == 30522 and config["hidden_size"] == 128
+    assert (tmp_path / "run" / "vocab.txt").exists() or (tmp_path / "run" / "tokenizer.json").exists()
+
+
+# ------------------------------------------------------------------------------ fine-tuning
+
+
+@pytest.fixture
+def base_model(tmp_path):
+    """A small untrained BERT checkpoint with its tokenizer, as pretrain writes one."""
+    directory = tmp_path / "base"
+    fastbert.BertForPreTraining(fastbert.BertConfig(vocab_size=len(small_tokenizer()), **SMALL)).save_pretrained(directory)
+    small_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def finetune_args(train_file, model, out, *extra):
+    return ["finetune", "--train", train_file, "--model", model, "--out", out, "--batch-size", 16, "--lr", 2e-3,
+            "--max-length", 16, "--no-progress", *extra]
+
+
+def test_finetune_learns_and_reports_accuracy(tmp_path, base_model, capsys):
+    names = ["negative", "positive"]
+    train_file = write_csv(tmp_path / "train.csv", sentiment_rows(128), names)
+    eval_file = write_jsonl(tmp_path / "eval.jsonl", sentiment_rows(64, seed=1), names)
+    out = tmp_path / "cls"
+    run(*finetune_args(train_file, base_model, out, "--eval", eval_file, "--epochs", 5, "--warmup-steps", 4))
+    printed = capsys.readouterr().out
+    results = json.loads((out / "eval_results.json").read_text())
+    assert f"eval accuracy {results['accuracy']:.4f} ({results['correct']}/64)" in printed
+    assert results["total"] == 64 and results["accuracy"] >= 0.9, results
+    state = torch.load(out / "training_state.pt", weights_only=True)
+    assert state["step"] == 5 * 128 // 16
+    # transformers loads the classifier with its class names and gives the same logits.
+    theirs = transformers.AutoModelForSequenceClassification.from_pretrained(out).eval()
+    assert theirs.config.id2label == {0: "negative", 1: "positive"}
+    ours = fastbert.BertForSequenceClassification.from_pretrained(out)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    enc = tok(["a good movie", "an awful day"], padding=True, return_tensors="pt")
+    assert rel_err(ours(**enc).logits, theirs(**enc).logits) <= 1e-5
+    assert theirs(**enc).logits.argmax(-1).tolist() == [1, 0]
+
+
+def test_finetune_resume_matches_an_uninterrupted_run(tmp_path, base_model):
+    train_file = write_jsonl(tmp_path / "train.jsonl", [(t, 3 * y) for t, y in sentiment_rows(48)])  # labels 0 and 3
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run(*finetune_args(train_file, base_model, straight, "--steps", 6, "--save-every", 3))
+    run(*finetune_args(train_file, base_model, resumed, "--steps", 6, "--resume", straight / "checkpoint-3"))
+    a, b = weights(straight), weights(resumed)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    config = json.loads((straight / "config.json").read_text())
+    assert config["num_labels"] == 4 and config["id2label"] == {"0": "0", "1": "1", "2": "2", "3": "3"}
+
+
+def test_finetune_rejects_unknown_eval_labels(tmp_path, base_model):
+    train_file = write_csv(tmp_path / "train.csv", sentiment_rows(16), ["neg", "pos"])
+    eval_file = write_csv(tmp_path / "eval.csv", sentiment_rows(4), ["neg", "neutral"])
+    with pytest.raises(ValueError, match=r"labels \['neutral'\] are not among the model's classes"):
+        run(*finetune_args(train_file, base_model, tmp_path / "out", "--steps", 1, "--eval", eval_file))
+
+
+def test_bad_arguments_fail_clearly(tmp_path, corpus):
+    with pytest.raises(ValueError, match="must be divisible by --grad-accum"):
+        run(*pretrain_args(corpus, tmp_path / "a", "--grad-accum", 3))
+    with pytest.raises(ValueError, match="fewer than one batch"):
+        run(*pretrain_args(corpus, tmp_path / "b", "--batch-size", 512))
+    with pytest.raises(FileNotFoundError, match="no training_state.pt"):
+        run(*pretrain_args(corpus, tmp_path / "c", "--resume", corpus[1]))
