@@ -9,10 +9,12 @@ TORCH_LIBRARY(fastbert_C, m) {
   m.def("bias_gelu_fwd(Tensor x, Tensor bias, bool tanh, Tensor(a!) out) -> ()");
   m.def("bias_gelu_bwd(Tensor grad, Tensor x, Tensor bias, bool tanh, Tensor(a!) grad_x) -> ()");
   // mean and rstd: float32 [rows]; grad_weight and grad_bias: float32 [N].
-  m.def("add_layer_norm_fwd(Tensor x, Tensor residual, Tensor weight, Tensor bias, float eps, Tensor(a!) out, "
-        "Tensor(b!) mean, Tensor(c!) rstd) -> ()");
+  // LayerNorm(dropout(x) + residual); grad_x is written only when dropout_p > 0 (else it is grad_h).
+  m.def("add_layer_norm_fwd(Tensor x, Tensor residual, Tensor weight, Tensor bias, float eps, float dropout_p, "
+        "int seed, Tensor(a!) out, Tensor(b!) mean, Tensor(c!) rstd) -> ()");
   m.def("add_layer_norm_bwd(Tensor grad, Tensor x, Tensor residual, Tensor weight, Tensor mean, Tensor rstd, "
-        "Tensor(a!) grad_h, Tensor(b!) grad_weight, Tensor(c!) grad_bias) -> ()");
+        "float dropout_p, int seed, Tensor(a!) grad_h, Tensor(b!) grad_x, Tensor(c!) grad_weight, "
+        "Tensor(d!) grad_bias) -> ()");
   // q, k, v: [B, heads, S, d] with key_mask bool [B, S], or [T, heads, d] with cu_seqlens [B + 1];
   // any strides with a contiguous head dimension. lse: float32 [B, heads, S] or [heads, T].
   // dropout_p on the probabilities, with keep decisions hashed from `seed` (backward regenerates them).
@@ -21,7 +23,7 @@ TORCH_LIBRARY(fastbert_C, m) {
   m.def("attention_bwd(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? key_mask, "
         "Tensor? cu_seqlens, float scale, float dropout_p, int seed, Tensor(a!) dq, Tensor(b!) dk, "
         "Tensor(c!) dv) -> ()");
-  m.def("attention_dropout_keep(int seed, float dropout_p, int sequences, int heads, int rows, int cols) -> Tensor");
+  m.def("dropout_keep(int seed, float dropout_p, int sequences, int heads, int rows, int cols) -> Tensor");
 }
 
 static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", "fastbert's compiled kernels", -1, nullptr};

@@ -62,14 +62,16 @@ SPECS = [
             randn(rows, k, dtype=dt, device=dev), randn(n, k, dtype=dt, device=dev, scale=k**-0.5),
             randn(n, dtype=dt, device=dev)), {"activation": act}))(rows, k, n, act),
             "matmul")
-        for rows, k, n, act in ((1, 64, 64, "none"), (17, 96, 384, "gelu"), (9, 128, 256, "gelu_tanh"), (33, 768, 768, "none"))
+        for rows, k, n, act in ((1, 64, 64, "none"), (17, 96, 384, "gelu"), (9, 128, 256, "gelu_tanh"), (33, 768, 768, "none"),
+                                (5, 1000, 1000, "gelu"))
     ]),
     Spec("qkv_projection", ops.qkv_projection, reference.qkv_projection, [
         Case(f"{shape}-h{hidden}/{heads}", (lambda shape, hidden, heads: lambda dt, dev: ((
             randn(*shape, hidden, dtype=dt, device=dev), randn(3 * hidden, hidden, dtype=dt, device=dev, scale=hidden**-0.5),
             randn(3 * hidden, dtype=dt, device=dev), heads), {}))(shape, hidden, heads),
             "matmul")
-        for shape, hidden, heads in (((2, 7), 64, 2), ((3, 5), 768, 12), ((11,), 384, 12), ((1, 1), 128, 4))
+        for shape, hidden, heads in (((2, 7), 64, 2), ((3, 5), 768, 12), ((11,), 384, 12), ((1, 1), 128, 4),
+                                     ((2, 3), 1024, 16))
     ]),
     Spec("attention", ops.attention, reference.attention, [
         Case(f"b{b}h{h}s{s}d{d}-{'mask' if masked else 'nomask'}", (lambda b, h, s, d, masked: lambda dt, dev: (

@@ -1,28 +1,52 @@
-// add_layer_norm on CPU: y = LayerNorm(x + residual) over the last dimension, and its backward.
-// Statistics in fp32 (saved for backward as mean and rstd); float and bfloat16 storage; rows are
-// spread over threads, each row vectorized. Backward recomputes h = x + residual instead of saving it.
+// add_layer_norm on CPU: y = LayerNorm(dropout(x) + residual) over the last dimension, and its
+// backward. Statistics in fp32 (saved for backward as mean and rstd); float and bfloat16 storage;
+// rows are spread over threads, each row vectorized. Backward recomputes h = dropout(x) + residual
+// instead of saving it: the dropout mask comes back from the seed (dropout.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "dropout.h"
 #include "vec.h"
 
 namespace fastbert {
 namespace {
 
+// Row r's dropout multipliers (0 or 1 / (1 - p)) into `mult`; false (and nothing written) without dropout.
+bool row_multipliers(const Dropout& dropout, int64_t r, int64_t n, std::vector<float>& mult) {
+  if (!dropout.on()) return false;
+  mult.resize(n);
+  for (int64_t j = 0; j < n; ++j) mult[j] = dropout.keep(0, 0, r, j) ? dropout.scale() : 0.f;
+  return true;
+}
+
+// x[j : j + m] as two float vectors, times the dropout multipliers when there are any.
+template <typename T>
+inline void load_x(const T* x, const float* mult, int64_t m, VecF& a, VecF& b) {
+  load2(x, m, a, b);
+  if (mult != nullptr) {
+    VecF m0, m1;
+    load2(mult, m, m0, m1);
+    a = a * m0;
+    b = b * m1;
+  }
+}
+
 template <typename T>
 void forward(const T* x, const T* res, const T* w, const T* b, T* y, float* mean_out, float* rstd_out,
-             int64_t rows, int64_t n, float eps) {
+             int64_t rows, int64_t n, float eps, const Dropout& dropout) {
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> mult;
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * n;
       const T* rr = res + r * n;
+      const float* mr = row_multipliers(dropout, r, n, mult) ? mult.data() : nullptr;
       VecF acc(0.f);
       for (int64_t j = 0; j < n; j += kBlock) {
         const int64_t m = std::min(kBlock, n - j);
         VecF x0, x1, r0, r1;
-        load2(xr + j, m, x0, x1);
+        load_x(xr + j, mr ? mr + j : nullptr, m, x0, x1);
         load2(rr + j, m, r0, r1);
         acc = acc + (x0 + r0) + (x1 + r1);  // lanes past m are zero
       }
@@ -32,7 +56,7 @@ void forward(const T* x, const T* res, const T* w, const T* b, T* y, float* mean
       for (int64_t j = 0; j < n; j += kBlock) {
         const int64_t m = std::min(kBlock, n - j);
         VecF x0, x1, r0, r1;
-        load2(xr + j, m, x0, x1);
+        load_x(xr + j, mr ? mr + j : nullptr, m, x0, x1);
         load2(rr + j, m, r0, r1);
         VecF d0 = x0 + r0 - vmean, d1 = x1 + r1 - vmean;
         if (m < kBlock) {  // zero lanes past m, which would contribute mean^2
@@ -50,7 +74,7 @@ void forward(const T* x, const T* res, const T* w, const T* b, T* y, float* mean
       for (int64_t j = 0; j < n; j += kBlock) {
         const int64_t m = std::min(kBlock, n - j);
         VecF x0, x1, r0, r1, w0, w1, b0, b1;
-        load2(xr + j, m, x0, x1);
+        load_x(xr + j, mr ? mr + j : nullptr, m, x0, x1);
         load2(rr + j, m, r0, r1);
         load2(w + j, m, w0, w1);
         load2(b + j, m, b0, b1);
@@ -63,23 +87,25 @@ void forward(const T* x, const T* res, const T* w, const T* b, T* y, float* mean
 // grad_h = rstd * (g*w - mean(g*w) - xhat * mean(g*w*xhat)); grad_w = sum g*xhat; grad_b = sum g.
 template <typename T>
 void backward(const T* g, const T* x, const T* res, const T* w, const float* mean, const float* rstd, T* grad_h,
-              float* grad_w, float* grad_b, int64_t rows, int64_t n) {
+              T* grad_x, float* grad_w, float* grad_b, int64_t rows, int64_t n, const Dropout& dropout) {
   // Each chunk of rows accumulates its own grad_w / grad_b partials; they are summed at the end.
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(rows, at::get_num_threads()));
   std::vector<float> partial(2 * chunks * n, 0.f);
   at::parallel_for(0, chunks, 1, [&](int64_t c_begin, int64_t c_end) {
+    std::vector<float> mult;
     for (int64_t c = c_begin; c < c_end; ++c) {
       float* pw = partial.data() + (2 * c) * n;
       float* pb = pw + n;
       for (int64_t r = c * rows / chunks; r < (c + 1) * rows / chunks; ++r) {
         const int64_t o = r * n;
         const VecF vmean(mean[r]), vrstd(rstd[r]);
+        const float* mr = row_multipliers(dropout, r, n, mult) ? mult.data() : nullptr;
         VecF s1(0.f), s2(0.f);
         for (int64_t j = 0; j < n; j += kBlock) {
           const int64_t m = std::min(kBlock, n - j);
           VecF g0, g1, x0, x1, r0, r1, w0, w1, pw0, pw1, pb0, pb1;
           load2(g + o + j, m, g0, g1);
-          load2(x + o + j, m, x0, x1);
+          load_x(x + o + j, mr ? mr + j : nullptr, m, x0, x1);
           load2(res + o + j, m, r0, r1);
           load2(w + j, m, w0, w1);
           VecF xh0 = (x0 + r0 - vmean) * vrstd, xh1 = (x1 + r1 - vmean) * vrstd;
@@ -96,12 +122,17 @@ void backward(const T* g, const T* x, const T* res, const T* w, const float* mea
           const int64_t m = std::min(kBlock, n - j);
           VecF g0, g1, x0, x1, r0, r1, w0, w1;
           load2(g + o + j, m, g0, g1);
-          load2(x + o + j, m, x0, x1);
+          load_x(x + o + j, mr ? mr + j : nullptr, m, x0, x1);
           load2(res + o + j, m, r0, r1);
           load2(w + j, m, w0, w1);
           VecF xh0 = (x0 + r0 - vmean) * vrstd, xh1 = (x1 + r1 - vmean) * vrstd;
-          store2(grad_h + o + j, m, vrstd * (g0 * w0 - mean_d - xh0 * mean_dx),
-                 vrstd * (g1 * w1 - mean_d - xh1 * mean_dx));
+          const VecF dh0 = vrstd * (g0 * w0 - mean_d - xh0 * mean_dx), dh1 = vrstd * (g1 * w1 - mean_d - xh1 * mean_dx);
+          store2(grad_h + o + j, m, dh0, dh1);
+          if (mr != nullptr) {  // d(dropout(x)) / dx: the same multipliers
+            VecF m0, m1;
+            load2(mr + j, m, m0, m1);
+            store2(grad_x + o + j, m, dh0 * m0, dh1 * m1);
+          }
         }
       }
     }
@@ -127,9 +158,15 @@ void check_stats(const at::Tensor& t, int64_t rows, const char* what) {
               "add_layer_norm: ", what, " must be float32 with one value per row");
 }
 
+Dropout make_dropout(double p, int64_t seed) {
+  TORCH_CHECK(p >= 0.0 && p < 1.0, "add_layer_norm: dropout_p must be in [0, 1), got ", p);
+  return Dropout{float(p), uint64_t(seed)};
+}
+
 void add_layer_norm_fwd(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
-                        const at::Tensor& bias, double eps, const at::Tensor& out, const at::Tensor& mean,
-                        const at::Tensor& rstd) {
+                        const at::Tensor& bias, double eps, double dropout_p, int64_t seed, const at::Tensor& out,
+                        const at::Tensor& mean, const at::Tensor& rstd) {
+  const Dropout dropout = make_dropout(dropout_p, seed);
   const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
   TORCH_CHECK(x.is_contiguous(), "add_layer_norm: x must be contiguous");
   check_same(residual, x, "residual");
@@ -141,19 +178,22 @@ void add_layer_norm_fwd(const at::Tensor& x, const at::Tensor& residual, const a
   check_stats(rstd, rows, "rstd");
   if (x.scalar_type() == at::kFloat) {
     forward(x.data_ptr<float>(), residual.data_ptr<float>(), weight.data_ptr<float>(), bias.data_ptr<float>(),
-            out.data_ptr<float>(), mean.data_ptr<float>(), rstd.data_ptr<float>(), rows, n, (float)eps);
+            out.data_ptr<float>(), mean.data_ptr<float>(), rstd.data_ptr<float>(), rows, n, (float)eps, dropout);
   } else if (x.scalar_type() == at::kBFloat16) {
     forward(x.data_ptr<at::BFloat16>(), residual.data_ptr<at::BFloat16>(), weight.data_ptr<at::BFloat16>(),
             bias.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), mean.data_ptr<float>(),
-            rstd.data_ptr<float>(), rows, n, (float)eps);
+            rstd.data_ptr<float>(), rows, n, (float)eps, dropout);
   } else {
     TORCH_CHECK(false, "add_layer_norm: dtype ", x.scalar_type(), " (supported: float32, bfloat16)");
   }
 }
 
 void add_layer_norm_bwd(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& residual,
-                        const at::Tensor& weight, const at::Tensor& mean, const at::Tensor& rstd,
-                        const at::Tensor& grad_h, const at::Tensor& grad_weight, const at::Tensor& grad_bias) {
+                        const at::Tensor& weight, const at::Tensor& mean, const at::Tensor& rstd, double dropout_p,
+                        int64_t seed, const at::Tensor& grad_h, const at::Tensor& grad_x, const at::Tensor& grad_weight,
+                        const at::Tensor& grad_bias) {
+  const Dropout dropout = make_dropout(dropout_p, seed);
+  if (dropout.on()) check_same(grad_x, x, "grad_x");
   const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
   TORCH_CHECK(x.is_contiguous(), "add_layer_norm: x must be contiguous");
   check_same(grad, x, "grad");
@@ -168,12 +208,14 @@ void add_layer_norm_bwd(const at::Tensor& grad, const at::Tensor& x, const at::T
               "add_layer_norm: grad_weight and grad_bias must be float32 [N]");
   if (x.scalar_type() == at::kFloat) {
     backward(grad.data_ptr<float>(), x.data_ptr<float>(), residual.data_ptr<float>(), weight.data_ptr<float>(),
-             mean.data_ptr<float>(), rstd.data_ptr<float>(), grad_h.data_ptr<float>(), grad_weight.data_ptr<float>(),
-             grad_bias.data_ptr<float>(), rows, n);
+             mean.data_ptr<float>(), rstd.data_ptr<float>(), grad_h.data_ptr<float>(),
+             dropout.on() ? grad_x.data_ptr<float>() : nullptr, grad_weight.data_ptr<float>(), grad_bias.data_ptr<float>(),
+             rows, n, dropout);
   } else if (x.scalar_type() == at::kBFloat16) {
     backward(grad.data_ptr<at::BFloat16>(), x.data_ptr<at::BFloat16>(), residual.data_ptr<at::BFloat16>(),
              weight.data_ptr<at::BFloat16>(), mean.data_ptr<float>(), rstd.data_ptr<float>(),
-             grad_h.data_ptr<at::BFloat16>(), grad_weight.data_ptr<float>(), grad_bias.data_ptr<float>(), rows, n);
+             grad_h.data_ptr<at::BFloat16>(), dropout.on() ? grad_x.data_ptr<at::BFloat16>() : nullptr,
+             grad_weight.data_ptr<float>(), grad_bias.data_ptr<float>(), rows, n, dropout);
   } else {
     TORCH_CHECK(false, "add_layer_norm: dtype ", x.scalar_type(), " (supported: float32, bfloat16)");
   }

@@ -21,6 +21,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "dropout.h"
 #include "vec.h"
 
 namespace fastbert {
@@ -30,26 +31,6 @@ constexpr int64_t kBlockQ = 128;
 constexpr int64_t kBlockK = 128;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-uint64_t mix64(uint64_t z) {  // splitmix64's finalizer
-  z += 0x9E3779B97F4A7C15ull;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-// Dropout on the attention probabilities. Keep decisions come from a counter-based hash of
-// (seed, sequence, head, query row, key), so backward regenerates forward's mask from the seed alone.
-struct Dropout {
-  float p = 0.f;
-  uint64_t seed = 0;
-  bool on() const { return p > 0.f; }
-  float scale() const { return 1.f / (1.f - p); }
-  bool keep(int64_t i, int64_t h, int64_t r, int64_t j) const {
-    uint64_t x = mix64(seed ^ mix64((uint64_t(i) << 32) ^ uint64_t(h)));
-    x = mix64(x ^ ((uint64_t(r) << 32) | uint64_t(j)));
-    return float(x >> 40) * (1.f / 16777216.f) >= p;  // a 24-bit uniform in [0, 1)
-  }
-};
 
 // C[M x N] = beta * C + alpha * A[M x K] @ B[K x N]; all row-major fp32; beta is 0 or 1.
 // Register block: R rows of A x 2 vectors of B's columns.
@@ -451,7 +432,8 @@ void attention_bwd(const at::Tensor& grad, const at::Tensor& q, const at::Tensor
 }
 
 // The keep mask the kernels apply, as a bool [sequences, heads, rows, cols] tensor: for tests.
-at::Tensor attention_dropout_keep(int64_t seed, double dropout_p, int64_t sequences, int64_t heads, int64_t rows,
+// Attention's block (i, h) is (sequence, head); row-wise kernels use sequences = heads = 1.
+at::Tensor dropout_keep(int64_t seed, double dropout_p, int64_t sequences, int64_t heads, int64_t rows,
                                   int64_t cols) {
   const Dropout dropout = make_dropout(dropout_p, seed);
   at::Tensor keep = at::empty({sequences, heads, rows, cols}, at::kBool);
@@ -472,5 +454,5 @@ TORCH_LIBRARY_IMPL(fastbert_C, CPU, m) {
 }
 
 TORCH_LIBRARY_IMPL(fastbert_C, CompositeExplicitAutograd, m) {
-  m.impl("attention_dropout_keep", &fastbert::attention_dropout_keep);
+  m.impl("dropout_keep", &fastbert::dropout_keep);
 }

@@ -35,52 +35,65 @@ dispatch.register("add_layer_norm", "reference", dispatch.Support(("cpu", "cuda"
 # ---------------------------------------------------------------------------------------- cpu (C++)
 
 
+# Dropout happens inside the kernel: keep decisions are hashed from `seed` (a tensor drawn from
+# torch's generator, so torch.manual_seed reproduces it), and backward regenerates them.
 @torch.library.custom_op("fastbert::add_layer_norm_cpu", mutates_args=())
-def _cpu_forward(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _cpu_forward(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                 dropout_p: float, seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     x, residual = x.contiguous(), residual.contiguous()
     out = dispatch.empty(x.shape, dtype=x.dtype, device=x.device)
     rows = x.numel() // x.shape[-1]
     mean = dispatch.empty(rows, dtype=torch.float32, device=x.device)
     rstd = dispatch.empty(rows, dtype=torch.float32, device=x.device)
-    torch.ops.fastbert_C.add_layer_norm_fwd(x, residual, weight.contiguous(), bias.contiguous(), eps, out, mean, rstd)
+    torch.ops.fastbert_C.add_layer_norm_fwd(x, residual, weight.contiguous(), bias.contiguous(), eps, dropout_p,
+                                            _seed_int(seed), out, mean, rstd)
     return out, mean, rstd
+
+
+def _seed_int(seed: torch.Tensor | None) -> int:
+    return 0 if seed is None else int(seed)
 
 
 @torch.library.custom_op("fastbert::add_layer_norm_cpu_backward", mutates_args=())
 def _cpu_backward(grad: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                  mean: torch.Tensor, rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  mean: torch.Tensor, rstd: torch.Tensor, dropout_p: float,
+                  seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad of residual, grad of x, grad of weight, grad of bias)."""
     x = x.contiguous()
     grad_h = dispatch.empty(x.shape, dtype=x.dtype, device=x.device)
+    grad_x = dispatch.empty(x.shape if dropout_p > 0 else (0,), dtype=x.dtype, device=x.device)
     grad_weight = dispatch.empty(x.shape[-1], dtype=torch.float32, device=x.device)
     grad_bias = dispatch.empty(x.shape[-1], dtype=torch.float32, device=x.device)
     torch.ops.fastbert_C.add_layer_norm_bwd(grad.contiguous(), x, residual.contiguous(), weight.contiguous(), mean,
-                                            rstd, grad_h, grad_weight, grad_bias)
-    return grad_h, grad_weight.to(weight.dtype), grad_bias.to(weight.dtype)
+                                            rstd, dropout_p, _seed_int(seed), grad_h, grad_x, grad_weight, grad_bias)
+    # Without dropout d(x + residual) reaches both inputs unchanged (a copy: outputs must not alias).
+    return grad_h, grad_x if dropout_p > 0 else grad_h.clone(), grad_weight.to(weight.dtype), grad_bias.to(weight.dtype)
 
 
 @_cpu_forward.register_fake
-def _(x, residual, weight, bias, eps):
+def _(x, residual, weight, bias, eps, dropout_p, seed):
     rows = x.numel() // x.shape[-1]
     return x.new_empty(x.shape), x.new_empty(rows, dtype=torch.float32), x.new_empty(rows, dtype=torch.float32)
 
 
 @_cpu_backward.register_fake
-def _(grad, x, residual, weight, mean, rstd):
-    return x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape)
+def _(grad, x, residual, weight, mean, rstd, dropout_p, seed):
+    return x.new_empty(x.shape), x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape)
 
 
 def _cpu_setup_context(ctx, inputs, output):
-    x, residual, weight, bias, eps = inputs
+    x, residual, weight, bias, eps, dropout_p, seed = inputs
     _, mean, rstd = output
-    ctx.save_for_backward(x, residual, weight, mean, rstd)
+    ctx.save_for_backward(x, residual, weight, mean, rstd, seed)
+    ctx.dropout_p = dropout_p
 
 
 def _cpu_autograd(ctx, grad, _grad_mean, _grad_rstd):
     dispatch.note("add_layer_norm.backward", "cpu")
-    x, residual, weight, mean, rstd = ctx.saved_tensors
-    grad_h, grad_weight, grad_bias = _cpu_backward(grad, x, residual, weight, mean, rstd)
-    return grad_h, grad_h, grad_weight, grad_bias, None  # d(x + residual) reaches both
+    x, residual, weight, mean, rstd, seed = ctx.saved_tensors
+    grad_residual, grad_x, grad_weight, grad_bias = _cpu_backward(grad, x, residual, weight, mean, rstd,
+                                                                  ctx.dropout_p, seed)
+    return grad_x, grad_residual, grad_weight, grad_bias, None, None, None
 
 
 _cpu_forward.register_autograd(_cpu_autograd, setup_context=_cpu_setup_context)
@@ -88,9 +101,8 @@ _cpu_forward.register_autograd(_cpu_autograd, setup_context=_cpu_setup_context)
 
 @dispatch.register("add_layer_norm", "cpu", dispatch.Support(("cpu",), (torch.float32, torch.bfloat16)))
 def _cpu(x, residual, weight, bias, eps, dropout_p):
-    if dropout_p > 0:
-        x = torch.nn.functional.dropout(x, dropout_p)  # torch's dropout; the kernel fuses add + LayerNorm
-    return _cpu_forward(x, residual, weight, bias, eps)[0]
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64) if dropout_p > 0 else None
+    return _cpu_forward(x, residual, weight, bias, eps, dropout_p, seed)[0]
 
 
 # ------------------------------------------------------------------------------------------- triton

@@ -1,5 +1,6 @@
-"""Dropout inside the cpu attention kernel: seeded, regenerated in backward, right keep rate, and equal
-to the reference applied with the very same mask (forward and every gradient)."""
+"""Dropout inside the cpu kernels (attention probabilities, residual + LayerNorm): seeded, regenerated
+in backward, right keep rate, and equal to the reference applied with the very same mask (forward and
+every gradient)."""
 import math
 
 import pytest
@@ -14,7 +15,7 @@ P = 0.3
 
 
 def keep_mask(seed, sequences, heads, rows, cols):
-    return torch.ops.fastbert_C.attention_dropout_keep(seed, P, sequences, heads, rows, cols)
+    return torch.ops.fastbert_C.dropout_keep(seed, P, sequences, heads, rows, cols)
 
 
 def test_keep_rate_within_statistical_bounds_and_seeded():
@@ -89,3 +90,40 @@ def test_model_trains_on_the_cpu_kernel_with_attention_dropout():
     assert ("varlen_attention", "cpu") in calls and ("varlen_attention.backward", "cpu") in calls
     model.eval()
     assert torch.equal(model(ids)[0], model(ids)[0])  # eval mode: no dropout
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_add_layer_norm_dropout_equals_reference_with_the_same_mask(dtype):
+    rows, n, seed = 7, 100, 2024
+    x, r = (torch.randn(rows, n).to(dtype).requires_grad_() for _ in range(2))
+    w = (1 + 0.1 * torch.randn(n)).to(dtype).requires_grad_()
+    b = torch.randn(n).to(dtype).requires_grad_()
+    with dispatch.poison_outputs():
+        out = torch.ops.fastbert.add_layer_norm_cpu(x, r, w, b, 1e-5, P, torch.tensor([seed]))[0]
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (x, r, w, b), grad)
+    keep = keep_mask(seed, 1, 1, rows, n)[0, 0]
+    assert 0 < int(keep.sum()) < keep.numel()
+
+    def naive(x, r, w, b):
+        return reference.add_layer_norm(x * keep.to(x.dtype) / (1 - P), r, w, b, 1e-5)
+
+    truth_in = upcast(x, r, w, b)
+    truth = naive(*truth_in)
+    t_grads = torch.autograd.grad(truth, truth_in, grad.double())
+    same_in = [t.detach().clone().requires_grad_() for t in (x, r, w, b)]
+    same = naive(*same_in)
+    s_grads = torch.autograd.grad(same, same_in, grad)
+    assert_close(out, truth, dtype, "elementwise", naive=same, name="output")
+    for name, g, t, n_ in zip(("x", "residual", "weight", "bias"), grads, t_grads, s_grads):
+        assert_close(g, t, dtype, "grad", naive=n_, name=f"d{name}")
+
+
+def test_add_layer_norm_dropout_seeded_through_torch():
+    x, r, w, b = torch.randn(4, 64), torch.randn(4, 64), torch.ones(64), torch.zeros(64)
+    runs = []
+    for seed in (3, 3, 4):
+        torch.manual_seed(seed)
+        with dispatch.use_backend("cpu", op="add_layer_norm"):
+            runs.append(ops.add_layer_norm(x, r, w, b, 1e-5, dropout_p=P))
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
