@@ -28,11 +28,44 @@ def cpu_flags() -> list[str]:
     return []
 
 
+def cuda_toolkit() -> str | None:
+    """CUDA_HOME when torch is a CUDA build and the toolkit's nvcc exists; None otherwise (a CPU build).
+    FASTBERT_NO_CUDA=1 forces a CPU build."""
+    if os.environ.get("FASTBERT_NO_CUDA") == "1":
+        return None
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if torch.version.cuda is None or CUDA_HOME is None:
+        return None
+    nvcc = os.path.join(CUDA_HOME, "bin", "nvcc")
+    return CUDA_HOME if os.path.exists(nvcc) else None
+
+
+def cuda_extension(cxx_flags: list[str]):
+    """fastbert._C with the CPU kernels plus csrc/cuda: torch-free .cu kernels and their torch bindings."""
+    from torch.utils.cpp_extension import CUDAExtension
+
+    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp") + glob.glob("csrc/cuda/*.cpp")
+                     + glob.glob("csrc/cuda/*.cu"))
+    nvcc_flags = ["-O3", "-std=c++17", "-DFASTBERT_WITH_CUDA",
+                  "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90"]
+    return CUDAExtension(
+        "fastbert._C",
+        sources,
+        extra_compile_args={"cxx": [*cxx_flags, "-DFASTBERT_WITH_CUDA"], "nvcc": nvcc_flags},
+        extra_link_args=["-fopenmp"],
+    )
+
+
 def extensions():
     if os.environ.get("FASTBERT_NO_EXTENSION") == "1":
         return [], {}
     from torch.utils.cpp_extension import BuildExtension, CppExtension
 
+    if cuda_toolkit() is not None:
+        ext = cuda_extension(["-O3", "-fopenmp", "-DAT_PARALLEL_OPENMP=1", *cpu_flags()])
+        return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
     ext = CppExtension(
         "fastbert._C",

@@ -32,7 +32,9 @@ dispatch.register("add_layer_norm", "reference", dispatch.Support(("cpu", "cuda"
 )
 
 
-# ---------------------------------------------------------------------------------------- cpu (C++)
+# ------------------------------------------------------------------------------ cpu (C++) and cuda
+# One pair of custom ops serves both compiled backends: torch.ops.fastbert_C.* dispatches on the
+# tensors' device to csrc/cpu (CPU) or csrc/cuda/bindings.cpp (CUDA; only in a CUDA build of _C).
 
 
 # Dropout happens inside the kernel: keep decisions are hashed from `seed` (a tensor drawn from
@@ -89,8 +91,8 @@ def _cpu_setup_context(ctx, inputs, output):
 
 
 def _cpu_autograd(ctx, grad, _grad_mean, _grad_rstd):
-    dispatch.note("add_layer_norm.backward", "cpu")
     x, residual, weight, mean, rstd, seed = ctx.saved_tensors
+    dispatch.note("add_layer_norm.backward", "cuda" if x.device.type == "cuda" else "cpu")
     grad_residual, grad_x, grad_weight, grad_bias = _cpu_backward(grad, x, residual, weight, mean, rstd,
                                                                   ctx.dropout_p, seed)
     return grad_x, grad_residual, grad_weight, grad_bias, None, None, None
@@ -101,6 +103,15 @@ _cpu_forward.register_autograd(_cpu_autograd, setup_context=_cpu_setup_context)
 
 @dispatch.register("add_layer_norm", "cpu", dispatch.Support(("cpu",), (torch.float32, torch.bfloat16)))
 def _cpu(x, residual, weight, bias, eps, dropout_p):
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64) if dropout_p > 0 else None
+    return _cpu_forward(x, residual, weight, bias, eps, dropout_p, seed)[0]
+
+
+@dispatch.register("add_layer_norm", "cuda",
+                   dispatch.Support(("cuda",), (torch.float16, torch.bfloat16, torch.float32), dropout=True))
+def _cuda(x, residual, weight, bias, eps, dropout_p):
+    # The seed stays on the CPU (drawn from torch's CPU generator, so torch.manual_seed reproduces the
+    # mask): reading it into the kernel's arguments never waits for the GPU. Last dimension <= 8192.
     seed = torch.randint(0, 2**62, (1,), dtype=torch.int64) if dropout_p > 0 else None
     return _cpu_forward(x, residual, weight, bias, eps, dropout_p, seed)[0]
 

@@ -24,7 +24,9 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") ->
 dispatch.register("bias_gelu", "reference", dispatch.Support(("cpu", "cuda"), dispatch.FLOATS))(reference.bias_gelu)
 
 
-# ---------------------------------------------------------------------------------------- cpu (C++)
+# ------------------------------------------------------------------------------ cpu (C++) and cuda
+# One pair of custom ops serves both compiled backends: torch.ops.fastbert_C.* dispatches on the
+# tensors' device to csrc/cpu (CPU) or csrc/cuda/bindings.cpp (CUDA; only in a CUDA build of _C).
 
 
 @torch.library.custom_op("fastbert::bias_gelu_cpu", mutates_args=())
@@ -60,9 +62,11 @@ def _cpu_setup_context(ctx, inputs, output):
 
 
 def _cpu_autograd(ctx, grad):
-    dispatch.note("bias_gelu.backward", "cpu")
     x, bias = ctx.saved_tensors
+    dispatch.note("bias_gelu.backward", "cuda" if x.device.type == "cuda" else "cpu")
     grad_x = _cpu_backward(grad, x, bias, ctx.tanh)
+    if x.device.type == "cuda":  # summed in fp32 (as the triton backend does), returned in bias's dtype
+        return grad_x, grad_x.reshape(-1, bias.shape[0]).sum(0, dtype=torch.float32).to(bias.dtype), None
     return grad_x, grad_x.reshape(-1, bias.shape[0]).sum(0), None
 
 
@@ -71,6 +75,12 @@ _cpu_forward.register_autograd(_cpu_autograd, setup_context=_cpu_setup_context)
 
 @dispatch.register("bias_gelu", "cpu", dispatch.Support(("cpu",), (torch.float32, torch.bfloat16)))
 def _cpu(x, bias, approximate):
+    return _cpu_forward(x, bias, approximate == "tanh")
+
+
+@dispatch.register("bias_gelu", "cuda",
+                   dispatch.Support(("cuda",), (torch.float16, torch.bfloat16, torch.float32), dropout=True))
+def _cuda(x, bias, approximate):
     return _cpu_forward(x, bias, approximate == "tanh")
 
 
