@@ -42,6 +42,12 @@ def cuda_toolkit() -> str | None:
     return CUDA_HOME if os.path.exists(nvcc) else None
 
 
+# -ffp-contract=off: the kernels write their fused multiply-adds explicitly; letting the compiler
+# contract `a * b - c` elsewhere breaks exact cancellations (a LayerNorm row of one feature must get
+# a zero gradient, as PyTorch gives).
+CXX_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-DAT_PARALLEL_OPENMP=1", *cpu_flags()]
+
+
 def cuda_extension(cxx_flags: list[str]):
     """fastbert._C with the CPU kernels plus csrc/cuda: torch-free .cu kernels and their torch bindings."""
     from torch.utils.cpp_extension import CUDAExtension
@@ -64,13 +70,13 @@ def extensions():
     from torch.utils.cpp_extension import BuildExtension, CppExtension
 
     if cuda_toolkit() is not None:
-        ext = cuda_extension(["-O3", "-fopenmp", "-DAT_PARALLEL_OPENMP=1", *cpu_flags()])
+        ext = cuda_extension(CXX_FLAGS)
         return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
     ext = CppExtension(
         "fastbert._C",
         sources,
-        extra_compile_args={"cxx": ["-O3", "-fopenmp", "-DAT_PARALLEL_OPENMP=1", *cpu_flags()]},
+        extra_compile_args={"cxx": CXX_FLAGS},
         extra_link_args=["-fopenmp"],
     )
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}

@@ -249,8 +249,8 @@ def record():
     try:
         yield calls
     finally:
-        with _records_lock:
-            _active_records.remove(calls)
+        with _records_lock:  # by identity: two open records may hold equal lists
+            _active_records[:] = [c for c in _active_records if c is not calls]
 
 
 def note(op: str, backend: str, skipped: dict[str, list[str]] | None = None) -> None:

@@ -42,15 +42,23 @@ void forward(const T* x, const T* res, const T* w, const T* b, T* y, float* mean
       const T* xr = x + r * n;
       const T* rr = res + r * n;
       const float* mr = row_multipliers(dropout, r, n, mult) ? mult.data() : nullptr;
+      // The mean is taken relative to the row's first element, so a constant row's mean (and a zero
+      // variance) come out exact instead of one rounding off, which rstd would magnify.
+      const float shift = static_cast<float>(xr[0]) * (mr ? mr[0] : 1.f) + static_cast<float>(rr[0]);
       VecF acc(0.f);
       for (int64_t j = 0; j < n; j += kBlock) {
         const int64_t m = std::min(kBlock, n - j);
         VecF x0, x1, r0, r1;
         load_x(xr + j, mr ? mr + j : nullptr, m, x0, x1);
         load2(rr + j, m, r0, r1);
-        acc = acc + (x0 + r0) + (x1 + r1);  // lanes past m are zero
+        VecF d0 = x0 + r0 - VecF(shift), d1 = x1 + r1 - VecF(shift);
+        if (m < kBlock) {  // lanes past m would contribute -shift
+          d0 = VecF::set(VecF(0.f), d0, std::min(m, kHalf));
+          d1 = VecF::set(VecF(0.f), d1, std::max<int64_t>(m - kHalf, 0));
+        }
+        acc = acc + d0 + d1;
       }
-      const float mean = reduce_sum(acc) / n;
+      const float mean = shift + reduce_sum(acc) / n;
       VecF sq(0.f);
       const VecF vmean(mean);
       for (int64_t j = 0; j < n; j += kBlock) {

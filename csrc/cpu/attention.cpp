@@ -322,6 +322,7 @@ void backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, 
       const int64_t i = task / b.heads, h = task % b.heads, L = b.length[i], s0 = b.start[i];
       if (L == 0) continue;
       const int64_t keys = key_bias(b, i, L, bias.data());
+      const bool single_key = std::count(bias.begin(), bias.begin() + keys, 0.f) == 1;
       const Rows<T> Q(qp + lq.at(i, s0, h, 0), lq.row, L, d, qbuf);
       const Rows<T> K(kp + lk.at(i, s0, h, 0), lk.row, keys, d, kbuf);
       const Rows<T> V(vp + lv.at(i, s0, h, 0), lv.row, keys, d, vbuf);
@@ -359,6 +360,10 @@ void backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, 
             gemm(false, false, nk, d, nq, P.data(), nq, dO.row(qb), dO.ld, dV.data(), d, 1.f, true, scratch);
           }
           gemm(false, true, nk, nq, d, V.row(kb), V.ld, dO.row(qb), dO.ld, dP.data(), nq, 1.f, false, scratch);
+          if (single_key) {  // softmax over one key is constant: q and k get exactly no gradient
+            std::fill(dP.begin(), dP.begin() + nk * nq, 0.f);
+            std::fill(D.begin() + qb, D.begin() + qb + nq, 0.f);
+          }
           if (dropout.on())  // gradient of the probabilities before dropout
             for (int64_t j = 0; j < nk; ++j)
               for (int64_t r = 0; r < nq; ++r)

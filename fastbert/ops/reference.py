@@ -70,6 +70,8 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, scale=None)
     outs = []
     bounds = cu_seqlens.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:  # an empty sequence contributes no rows
+            continue
         qi, ki, vi = (t[start:end].transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, s, d]
         outs.append(attention(qi, ki, vi, None, dropout_p, scale)[0].transpose(0, 1))  # [s, heads, d]
     return torch.cat(outs, dim=0) if outs else torch.empty_like(q)
