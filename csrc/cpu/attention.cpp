@@ -334,6 +334,25 @@ void backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, 
         D[r] = s;
         LSE[r] = lp[ll.at(i, s0, h, r)];
       }
+      if constexpr (!std::is_same_v<T, float>) {
+        // O was stored rounded to T: D from it would carry T's rounding into every dS. Recompute
+        // D = sum_j P_rj dP_rj in fp32 instead (one more pass of the two score-sized GEMMs).
+        std::fill(D.begin(), D.begin() + L, 0.f);
+        for (int64_t kb = 0; kb < keys; kb += kBlockK) {
+          const int64_t nk = std::min(kBlockK, keys - kb);
+          for (int64_t qb = 0; qb < L; qb += kBlockQ) {
+            const int64_t nq = std::min(kBlockQ, L - qb);
+            gemm(false, true, nk, nq, d, K.row(kb), K.ld, Q.row(qb), Q.ld, P.data(), nq, scale, false, scratch);
+            gemm(false, true, nk, nq, d, V.row(kb), V.ld, dO.row(qb), dO.ld, dP.data(), nq, 1.f, false, scratch);
+            for (int64_t j = 0; j < nk; ++j)
+              for (int64_t r = 0; r < nq; ++r) {
+                float p = std::exp(P[j * nq + r] + bias[kb + j] - LSE[qb + r]);
+                if (dropout.on()) p = dropout.keep(i, h, qb + r, kb + j) ? p * dropout.scale() : 0.f;
+                D[qb + r] += p * dP[j * nq + r];
+              }
+          }
+        }
+      }
       std::fill(dQ.begin(), dQ.begin() + L * d, 0.f);
       for (int64_t kb = 0; kb < keys; kb += kBlockK) {
         const int64_t nk = std::min(kBlockK, keys - kb);
