@@ -7,6 +7,7 @@ import torch
 
 from fastbert import dispatch
 from fastbert.ops import _checks, reference
+from fastbert.ops._seed import dropout_seed, seed_int
 
 
 @dispatch.follows_autocast
@@ -48,12 +49,8 @@ def _cpu_forward(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     mean = dispatch.empty(rows, dtype=torch.float32, device=x.device)
     rstd = dispatch.empty(rows, dtype=torch.float32, device=x.device)
     torch.ops.fastbert_C.add_layer_norm_fwd(x, residual, weight.contiguous(), bias.contiguous(), eps, dropout_p,
-                                            _seed_int(seed), out, mean, rstd)
+                                            seed_int(seed), out, mean, rstd)
     return out, mean, rstd
-
-
-def _seed_int(seed: torch.Tensor | None) -> int:
-    return 0 if seed is None else int(seed)
 
 
 @torch.library.custom_op("fastbert::add_layer_norm_cpu_backward", mutates_args=())
@@ -67,7 +64,7 @@ def _cpu_backward(grad: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, w
     grad_weight = dispatch.empty(x.shape[-1], dtype=torch.float32, device=x.device)
     grad_bias = dispatch.empty(x.shape[-1], dtype=torch.float32, device=x.device)
     torch.ops.fastbert_C.add_layer_norm_bwd(grad.contiguous(), x, residual.contiguous(), weight.contiguous(), mean,
-                                            rstd, dropout_p, _seed_int(seed), grad_h, grad_x, grad_weight, grad_bias)
+                                            rstd, dropout_p, seed_int(seed), grad_h, grad_x, grad_weight, grad_bias)
     # Without dropout d(x + residual) reaches both inputs unchanged (a copy: outputs must not alias).
     return grad_h, grad_x if dropout_p > 0 else grad_h.clone(), grad_weight.to(weight.dtype), grad_bias.to(weight.dtype)
 
@@ -103,8 +100,7 @@ _cpu_forward.register_autograd(_cpu_autograd, setup_context=_cpu_setup_context)
 
 @dispatch.register("add_layer_norm", "cpu", dispatch.Support(("cpu",), (torch.float32, torch.bfloat16)))
 def _cpu(x, residual, weight, bias, eps, dropout_p):
-    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64) if dropout_p > 0 else None
-    return _cpu_forward(x, residual, weight, bias, eps, dropout_p, seed)[0]
+    return _cpu_forward(x, residual, weight, bias, eps, dropout_p, dropout_seed(dropout_p))[0]
 
 
 @dispatch.register("add_layer_norm", "cuda",
@@ -112,8 +108,7 @@ def _cpu(x, residual, weight, bias, eps, dropout_p):
 def _cuda(x, residual, weight, bias, eps, dropout_p):
     # The seed stays on the CPU (drawn from torch's CPU generator, so torch.manual_seed reproduces the
     # mask): reading it into the kernel's arguments never waits for the GPU. Last dimension <= 8192.
-    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64) if dropout_p > 0 else None
-    return _cpu_forward(x, residual, weight, bias, eps, dropout_p, seed)[0]
+    return _cpu_forward(x, residual, weight, bias, eps, dropout_p, dropout_seed(dropout_p))[0]
 
 
 # ------------------------------------------------------------------------------------------- triton
@@ -182,7 +177,4 @@ _triton_forward.register_autograd(_triton_autograd, setup_context=_triton_setup_
 @dispatch.register("add_layer_norm", "triton",
                    dispatch.Support(("cuda", "cpu"), (torch.float16, torch.bfloat16, torch.float32), dropout=True))
 def _triton(x, residual, weight, bias, eps, dropout_p):
-    seed = None
-    if dropout_p > 0:  # drawn from torch's generator: torch.manual_seed reproduces the mask
-        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=x.device)
-    return _triton_forward(x, residual, weight, bias, eps, dropout_p, seed)[0]
+    return _triton_forward(x, residual, weight, bias, eps, dropout_p, dropout_seed(dropout_p, x.device))[0]

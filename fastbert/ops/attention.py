@@ -5,6 +5,7 @@ import torch
 
 from fastbert import dispatch
 from fastbert.ops import _checks, reference
+from fastbert.ops._seed import dropout_seed, seed_int
 
 
 @dispatch.follows_autocast
@@ -93,12 +94,8 @@ def _cpu_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: to
     q, k, v = (_head_dim_contiguous(t) for t in (q, k, v))
     out = _empty_output(q)
     lse = dispatch.empty(_lse_shape(q), dtype=torch.float32, device=q.device)
-    torch.ops.fastbert_C.attention_fwd(q, k, v, key_mask, cu_seqlens, scale, dropout_p, _seed_int(seed), out, lse)
+    torch.ops.fastbert_C.attention_fwd(q, k, v, key_mask, cu_seqlens, scale, dropout_p, seed_int(seed), out, lse)
     return out, lse
-
-
-def _seed_int(seed: torch.Tensor | None) -> int:
-    return 0 if seed is None else int(seed)
 
 
 @_cpu_forward.register_fake
@@ -113,7 +110,7 @@ def _cpu_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     grad, q, k, v, out = (_head_dim_contiguous(t) for t in (grad, q, k, v, out))
     dq, dk, dv = _empty_output(q), _empty_output(q), _empty_output(q)
     torch.ops.fastbert_C.attention_bwd(grad, q, k, v, out, lse, key_mask, cu_seqlens, scale, dropout_p,
-                                       _seed_int(seed), dq, dk, dv)
+                                       seed_int(seed), dq, dk, dv)
     return dq, dk, dv
 
 
@@ -141,21 +138,17 @@ _cpu_forward.register_autograd(_cpu_autograd, setup_context=_cpu_setup_context)
 _CPU_SUPPORT = dispatch.Support(("cpu",), (torch.float32, torch.bfloat16))
 
 
-def _dropout_seed(dropout_p: float) -> torch.Tensor | None:
-    return torch.randint(0, 2**62, (1,), dtype=torch.int64) if dropout_p > 0 else None
-
-
 @dispatch.register("attention", "cpu", _CPU_SUPPORT)
 def _cpu(q, k, v, attention_mask, dropout_p, scale, need_weights):
     key_mask = None if attention_mask is None else attention_mask.bool().contiguous()
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _cpu_forward(q, k, v, key_mask, None, scale, dropout_p, _dropout_seed(dropout_p))[0]
+    return _cpu_forward(q, k, v, key_mask, None, scale, dropout_p, dropout_seed(dropout_p))[0]
 
 
 @dispatch.register("varlen_attention", "cpu", _CPU_SUPPORT)
 def _cpu_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale):
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _cpu_forward(q, k, v, None, cu_seqlens, scale, dropout_p, _dropout_seed(dropout_p))[0]
+    return _cpu_forward(q, k, v, None, cu_seqlens, scale, dropout_p, dropout_seed(dropout_p))[0]
 
 
 # ------------------------------------------------------------------------------------------ triton
@@ -232,19 +225,14 @@ def _triton_head_dim_reasons(f: dispatch.Facts) -> list[str]:
 _TRITON_SUPPORT = dispatch.Support(("cuda", "cpu"), (torch.float16, torch.bfloat16, torch.float32))
 
 
-def _triton_seed(q: torch.Tensor, dropout_p: float) -> torch.Tensor | None:
-    """A fresh dropout seed from torch's generator for q's device (torch.manual_seed reproduces it)."""
-    return torch.randint(0, 2**62, (1,), dtype=torch.int64, device=q.device) if dropout_p > 0 else None
-
-
 @dispatch.register("attention", "triton", _TRITON_SUPPORT, _triton_head_dim_reasons)
 def _triton(q, k, v, attention_mask, dropout_p, scale, need_weights):
     key_mask = None if attention_mask is None else attention_mask.bool()
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _triton_forward(q, k, v, key_mask, None, q.shape[2], scale, dropout_p, _triton_seed(q, dropout_p))[0]
+    return _triton_forward(q, k, v, key_mask, None, q.shape[2], scale, dropout_p, dropout_seed(dropout_p, q.device))[0]
 
 
 @dispatch.register("varlen_attention", "triton", _TRITON_SUPPORT, _triton_head_dim_reasons)
 def _triton_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale):
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _triton_forward(q, k, v, None, cu_seqlens, max_seqlen, scale, dropout_p, _triton_seed(q, dropout_p))[0]
+    return _triton_forward(q, k, v, None, cu_seqlens, max_seqlen, scale, dropout_p, dropout_seed(dropout_p, q.device))[0]
