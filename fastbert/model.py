@@ -289,6 +289,9 @@ class BertModel(BertPreTrainedModel):
         b, s = input_ids.shape
         if s == 0 or b == 0:
             raise ValueError(f"input_ids is empty: shape {tuple(input_ids.shape)}")
+        weights = self.embeddings.word_embeddings.weight
+        if input_ids.device != weights.device:
+            raise ValueError(f"input_ids is on {input_ids.device} but the model's parameters are on {weights.device}")
         cfg = self.config
         if s > cfg.max_position_embeddings:
             raise ValueError(f"sequence length {s} exceeds max_position_embeddings ({cfg.max_position_embeddings})")

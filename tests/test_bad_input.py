@@ -27,6 +27,9 @@ def ids(b=2, s=5, high=50):
     (lambda: dict(input_ids=ids()[0]), "input_ids must be 2-D"),
     (lambda: dict(input_ids=ids(), attention_mask=torch.full((2, 5), 2)), "attention_mask must hold only 0"),
     (lambda: dict(input_ids=ids(), position_ids=torch.full((2, 5), 16)), "position_ids must lie in"),
+    # A second device without a GPU: "meta" tensors have a device and a shape but no data.
+    (lambda: dict(input_ids=ids().to("meta")), "input_ids is on meta but the model's parameters are on cpu"),
+    (lambda: dict(input_ids=ids(), attention_mask=torch.ones(2, 5, device="meta")), "attention_mask is on meta but input_ids is on cpu"),
 ])
 def test_model_bad_input(model, make_kwargs, message):
     with dispatch.record() as calls, pytest.raises(ValueError, match=message):
@@ -64,14 +67,22 @@ def test_model_accepts_int32_bool_and_float_masks(model):
     (lambda: ops.varlen_attention(*(torch.randn(5, 1, 4) for _ in range(3)), torch.tensor([0.0, 5.0]), 5), "cu_seqlens must be int32"),
     (lambda: ops.add_layer_norm(torch.randn(2, 4), torch.randn(2, 5), torch.randn(4), torch.randn(4), 1e-5), "residual must have shape \\(2, 4\\)"),
     (lambda: ops.add_layer_norm(torch.randn(2, 4), torch.randn(2, 4), torch.randn(4), torch.randn(4), 0.0), "eps must be positive"),
+    # Tensors on different devices ("meta" stands in for a second device on a machine without a GPU).
+    (lambda: ops.bias_gelu(torch.randn(2, 4), torch.randn(4, device="meta")), "bias is on meta but x is on cpu"),
+    (lambda: ops.dense(torch.randn(2, 4), torch.randn(3, 4, device="meta")), "weight is on meta but x is on cpu"),
+    (lambda: ops.qkv_projection(torch.randn(2, 3, 8), torch.randn(24, 8), torch.randn(24, device="meta"), 2),
+     "bias is on meta but x is on cpu"),
+    (lambda: ops.attention(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4, device="meta"), torch.randn(1, 2, 3, 4)),
+     "k is on meta but q is on cpu"),
+    (lambda: ops.attention(*(torch.randn(1, 2, 3, 4) for _ in range(3)), attention_mask=torch.ones(1, 3, device="meta")),
+     "attention_mask is on meta but q is on cpu"),
+    (lambda: ops.varlen_attention(*(torch.randn(5, 1, 4) for _ in range(3)), torch.tensor([0, 5], dtype=torch.int32, device="meta"), 5),
+     "cu_seqlens is on meta but q is on cpu"),
+    (lambda: ops.add_layer_norm(torch.randn(2, 4), torch.randn(2, 4), torch.randn(4, device="meta"), torch.randn(4), 1e-5),
+     "weight is on meta but x is on cpu"),
 ])
 def test_op_bad_input(call, message):
     with dispatch.record() as calls, pytest.raises(ValueError, match=message):
         call()
     assert calls == []
 
-
-def test_non_contiguous_inputs_work():
-    x = torch.randn(6, 8).t()  # [8, 6], non-contiguous
-    b = torch.randn(6)
-    assert torch.allclose(ops.bias_gelu(x, b), ops.bias_gelu(x.contiguous(), b))

@@ -139,3 +139,13 @@ def test_ops_follow_autocast():
     assert (out.float() - reference.float()).norm() / reference.float().norm() < 2e-2
     if not dispatch.machine_reasons("cpu"):  # and every op ran on the kernels, in bf16
         assert calls and all(c.backend == "cpu" for c in calls), calls
+
+
+def test_forced_backend_with_unsupported_head_dim_raises_before_compute():
+    q = torch.randn(1, 1, 2, 160)  # head_dim 160: above the triton kernel's 128
+    if dispatch.machine_reasons("triton"):
+        pytest.skip("triton unavailable: " + "; ".join(dispatch.machine_reasons("triton")))
+    with dispatch.record() as calls, pytest.raises(fastbert.BackendUnavailable, match="head_dim 160 \\(supported: 1 to 128\\)"):
+        with fastbert.use_backend("triton", op="attention"):
+            ops.attention(q, q, q)
+    assert calls == []

@@ -101,6 +101,16 @@ def test_truncated_safetensors_is_a_clear_error(tmp_path):
         fastbert.BertModel.from_pretrained(tmp_path)
 
 
+def test_corrupted_safetensors_header_is_a_clear_error(tmp_path):
+    hf_saved(tmp_path)
+    path = tmp_path / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[8:24] = b"}not json at all"  # the JSON header right after its 8-byte length
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        fastbert.BertModel.from_pretrained(tmp_path)
+
+
 class _Exploit:
     def __reduce__(self):
         return (os.system, (f"touch {_Exploit.marker}",))

@@ -151,3 +151,53 @@ def test_cpu_attention_without_blas(spec, case, dtype, monkeypatch):
     """The cpu attention kernel's own micro-GEMM (used where torch has no BLAS sgemm) is right too."""
     monkeypatch.setenv("FASTBERT_CPU_BLAS", "0")
     test_parity(spec, case, "cpu", dtype)
+
+
+def _relaid(t, layout: str):
+    """The same values in another memory layout (a leaf again if `t` requires grad)."""
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        return t
+    with torch.no_grad():
+        if layout == "channels_last" and t.dim() == 4:
+            out = t.contiguous(memory_format=torch.channels_last)
+        elif layout == "strided":  # every other element of a buffer twice as wide
+            out = torch.empty(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)[..., ::2]
+            out.copy_(t)
+        else:  # "transposed": all dims reversed in memory (column-major for 2-D)
+            dims = tuple(reversed(range(t.dim())))
+            out = t.permute(dims).contiguous().permute(dims)
+    return out.requires_grad_(t.requires_grad)
+
+
+def _relayable(case) -> bool:
+    """Every float input has two dims > 1, so each layout below really is non-contiguous."""
+    args, _ = case.make(torch.float32, "cpu")
+    return all(sum(n > 1 for n in a.shape) >= 2 for a in _float_tensors(args) if a.dim() > 1)
+
+
+LAYOUT_GRID = [(spec, case) for spec in SPECS for case in [c for c in spec.cases if _relayable(c)][:2]]
+
+
+@pytest.mark.parametrize("layout", ["strided", "transposed", "channels_last"])
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS + ("reference",))
+@pytest.mark.parametrize("spec,case", LAYOUT_GRID, ids=[f"{s.op}-{c.name}" for s, c in LAYOUT_GRID])
+def test_non_contiguous_inputs_work(spec, case, backend, layout):
+    """Non-contiguous, transposed and channels-last inputs and output gradients give the contiguous
+    inputs' results (same backend, float32)."""
+    device = "cpu" if backend == "reference" else skip_unless_runnable(spec.op, backend, torch.float32)
+    args, kwargs = case.make(torch.float32, device)
+    with dispatch.use_backend(backend, op=spec.op):
+        outs, grads, grad_outs = _forward_backward(spec.public, args, kwargs)
+        relaid = [_relaid(a, layout) for a in args]
+        assert any(isinstance(a, torch.Tensor) and a.is_floating_point() and not a.is_contiguous() for a in relaid)
+        with poison_outputs(), dispatch.record() as calls:
+            got, got_grads, _ = _forward_backward(spec.public, relaid, kwargs, [_relaid(g, layout) for g in grad_outs])
+            with torch.no_grad():  # inference may take other paths (fused epilogues)
+                inferred = _outputs(spec.public(*relaid, **kwargs))
+    assert_ran([c for c in calls if c[0] == spec.op], spec.op, backend)
+    for i, (o, want) in enumerate(zip(inferred, outs)):
+        assert_close(o, want, torch.float32, case.kind, name=f"{spec.op} {layout} no-grad output {i}")
+    for i, (o, want) in enumerate(zip(got, outs)):
+        assert_close(o, want, torch.float32, case.kind, name=f"{spec.op} {layout} output {i}")
+    for i, (g, want) in enumerate(zip(got_grads, grads)):
+        assert_close(g, want, torch.float32, "grad", name=f"{spec.op} {layout} grad of input {i}")

@@ -39,7 +39,7 @@ def packed(weight: torch.Tensor, rows_hint: int) -> torch.Tensor:
         hit = _packed.get(id(weight))
     if hit is not None and hit[0] == key:
         return hit[1]
-    blocked = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), max(rows_hint, 1))
+    blocked = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), max(rows_hint, 1))
     with _lock:
         if id(weight) not in _packed:
             weakref.finalize(weight, _packed.pop, id(weight), None)
@@ -50,4 +50,6 @@ def packed(weight: torch.Tensor, rows_hint: int) -> torch.Tensor:
 def linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str = "none"):
     """activation(x2d @ weight.T + bias) for x2d [M, K] in one oneDNN call."""
     attr, scalars, algorithm = POST_OPS[activation]
+    # oneDNN reads the bias as a dense vector whatever its strides (a strided bias gave wrong sums).
+    bias = None if bias is None else bias.contiguous()
     return torch.ops.mkldnn._linear_pointwise(x2d, packed(weight, x2d.shape[0]), bias, attr, scalars, algorithm)
