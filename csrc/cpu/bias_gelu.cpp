@@ -20,7 +20,7 @@ inline VecF gelu(const VecF& x, bool tanh_form) {
     VecF inner = VecF(kTanhScale) * (x + VecF(kTanhCubic) * x * x * x);
     return half * x * (one + inner.tanh());
   }
-  return half * x * (one + (x * VecF(kInvSqrt2)).erf());
+  return half * x * (one + erf_fast(x * VecF(kInvSqrt2)));
 }
 
 // d gelu(x) / dx
@@ -32,7 +32,7 @@ inline VecF gelu_grad(const VecF& x, bool tanh_form) {
     VecF dinner = VecF(kTanhScale) * (one + VecF(3.f * kTanhCubic) * x2);
     return half * (one + t) + half * x * (one - t * t) * dinner;
   }
-  VecF cdf = half * (one + (x * VecF(kInvSqrt2)).erf());
+  VecF cdf = half * (one + erf_fast(x * VecF(kInvSqrt2)));
   VecF pdf = VecF(kInvSqrt2Pi) * (VecF(-0.5f) * x * x).exp();
   return cdf + x * pdf;
 }
