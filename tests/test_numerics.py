@@ -10,7 +10,7 @@ import torch
 
 from fastbert import dispatch, ops
 from fastbert.ops import reference
-from fastbert.testing import GRAD_FLOOR, assert_close, assert_ran, poison_outputs, upcast
+from fastbert.testing import GRAD_FLOOR, assert_close, assert_ran, poison_outputs, tolerance, upcast
 from grids import skip_unless_runnable
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -137,6 +137,24 @@ def test_bias_gelu_magnitude_1e4(dtype, approximate):
     out, _ = compare("bias_gelu", reference.bias_gelu, [leaf(x, dtype), leaf(bias, dtype)], "elementwise",
                      {"approximate": approximate})
     assert bool(torch.isfinite(out).all())
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_bias_gelu_every_regime_of_erf(dtype, approximate):
+    """x swept densely over [-12, 12] (the kernel's erf is a rational fit clamped at |x| = 3.92):
+    every element, not just a norm, within the table's bound of the float64 GELU and its derivative."""
+    x = torch.linspace(-12, 12, 24003).reshape(3, -1)
+    args = [leaf(x, dtype), leaf(torch.zeros(x.shape[1]), dtype)]
+    kwargs = {"approximate": approximate}
+    compare("bias_gelu", reference.bias_gelu, args, "elementwise", kwargs)
+    # With a gradient of ones, grad_x is gelu'(x) itself: checked element by element too.
+    ones = torch.ones(x.shape, dtype=dtype)
+    out, (grad_x, _) = run_cpu("bias_gelu", ops.bias_gelu, args, kwargs, ones)
+    t_out, (t_grad_x, _) = truth(reference.bias_gelu, args, kwargs, ones)
+    for name, got, want, kind in (("output", out, t_out, "elementwise"), ("gelu'", grad_x, t_grad_x, "grad")):
+        worst = float(((got.double() - want).abs() / want.abs().clamp_min(1.0)).max())
+        assert worst <= tolerance(dtype, kind), f"{name}: largest elementwise error {worst:.3g} > {tolerance(dtype, kind):g}"
 
 
 # ------------------------------------------------------------------------------ add_layer_norm
