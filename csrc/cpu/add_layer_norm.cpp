@@ -32,12 +32,27 @@ inline void load_x(const T* x, const float* mult, int64_t m, VecF& a, VecF& b) {
   }
 }
 
+// Row values as float: bfloat16 rows are converted once instead of once per pass.
+template <typename T>
+void to_float(const T* src, float* dst, int64_t n) {
+  for (int64_t j = 0; j < n; j += kBlock) {
+    const int64_t m = std::min(kBlock, n - j);
+    VecF a, b;
+    load2(src + j, m, a, b);
+    store2(dst + j, m, a, b);
+  }
+}
+
 template <typename T>
 void forward(const T* x, const T* res, const T* w, const T* b, T* y, float* mean_out, float* rstd_out,
              int64_t rows, int64_t n, float eps, const Dropout& dropout) {
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> mult;
+    // h = dropout(x) + residual is formed once per row in fp32 (it stays in L1 for the next two
+    // passes); weight and bias once per thread.
+    std::vector<float> mult, h(n), wf(n), bf(n);
+    to_float(w, wf.data(), n);
+    to_float(b, bf.data(), n);
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * n;
       const T* rr = res + r * n;
@@ -51,7 +66,9 @@ void forward(const T* x, const T* res, const T* w, const T* b, T* y, float* mean
         VecF x0, x1, r0, r1;
         load_x(xr + j, mr ? mr + j : nullptr, m, x0, x1);
         load2(rr + j, m, r0, r1);
-        VecF d0 = x0 + r0 - VecF(shift), d1 = x1 + r1 - VecF(shift);
+        const VecF h0 = x0 + r0, h1 = x1 + r1;
+        store2(h.data() + j, m, h0, h1);
+        VecF d0 = h0 - VecF(shift), d1 = h1 - VecF(shift);
         if (m < kBlock) {  // lanes past m would contribute -shift
           d0 = VecF::set(VecF(0.f), d0, std::min(m, kHalf));
           d1 = VecF::set(VecF(0.f), d1, std::max<int64_t>(m - kHalf, 0));
@@ -63,10 +80,9 @@ void forward(const T* x, const T* res, const T* w, const T* b, T* y, float* mean
       const VecF vmean(mean);
       for (int64_t j = 0; j < n; j += kBlock) {
         const int64_t m = std::min(kBlock, n - j);
-        VecF x0, x1, r0, r1;
-        load_x(xr + j, mr ? mr + j : nullptr, m, x0, x1);
-        load2(rr + j, m, r0, r1);
-        VecF d0 = x0 + r0 - vmean, d1 = x1 + r1 - vmean;
+        VecF h0, h1;
+        load2(h.data() + j, m, h0, h1);
+        VecF d0 = h0 - vmean, d1 = h1 - vmean;
         if (m < kBlock) {  // zero lanes past m, which would contribute mean^2
           d0 = VecF::set(VecF(0.f), d0, std::min(m, kHalf));
           d1 = VecF::set(VecF(0.f), d1, std::max<int64_t>(m - kHalf, 0));
@@ -81,12 +97,11 @@ void forward(const T* x, const T* res, const T* w, const T* b, T* y, float* mean
       T* yr = y + r * n;
       for (int64_t j = 0; j < n; j += kBlock) {
         const int64_t m = std::min(kBlock, n - j);
-        VecF x0, x1, r0, r1, w0, w1, b0, b1;
-        load_x(xr + j, mr ? mr + j : nullptr, m, x0, x1);
-        load2(rr + j, m, r0, r1);
-        load2(w + j, m, w0, w1);
-        load2(b + j, m, b0, b1);
-        store2(yr + j, m, (x0 + r0 - vmean) * vrstd * w0 + b0, (x1 + r1 - vmean) * vrstd * w1 + b1);
+        VecF h0, h1, w0, w1, b0, b1;
+        load2(h.data() + j, m, h0, h1);
+        load2(wf.data() + j, m, w0, w1);
+        load2(bf.data() + j, m, b0, b1);
+        store2(yr + j, m, (h0 - vmean) * vrstd * w0 + b0, (h1 - vmean) * vrstd * w1 + b1);
       }
     }
   });
