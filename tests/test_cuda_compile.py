@@ -17,7 +17,7 @@ TIMEOUT_S = 120
 
 def test_cuda_sources_exist():
     names = {os.path.basename(s) for s in SOURCES}
-    assert {"add_layer_norm.cu", "bias_gelu.cu"} <= names, names
+    assert {"add_layer_norm.cu", "attention.cu", "bias_gelu.cu"} <= names, names
 
 
 def test_cuda_kernels_compile(tmp_path):

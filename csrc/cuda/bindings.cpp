@@ -1,11 +1,13 @@
-// CUDA implementations of the fastbert_C schemas (csrc/ops.cpp) for add_layer_norm and bias_gelu:
-// check the tensors like the CPU kernels do (csrc/cpu/*.cpp), then call the torch-free launchers
-// (launchers.h) on the current stream. Built only where torch is a CUDA build (setup.py); it cannot
-// compile against the CPU torch wheel.
+// CUDA implementations of the fastbert_C schemas (csrc/ops.cpp) for add_layer_norm, attention and
+// bias_gelu: check the tensors like the CPU kernels do (csrc/cpu/*.cpp), then call the torch-free
+// launchers (launchers.h) on the current stream. Built only where torch is a CUDA build (setup.py); it
+// cannot compile against the CPU torch wheel.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
+
+#include <optional>
 
 #include "launchers.h"
 
@@ -123,6 +125,117 @@ void add_layer_norm_bwd_cuda(const at::Tensor& grad, const at::Tensor& x, const 
                "add_layer_norm_bwd");
 }
 
+// ----------------------------------------------------------------------------------------- attention
+
+void attn_check_like(const at::Tensor& t, const at::Tensor& q, const char* what) {
+  TORCH_CHECK(t.is_cuda() && t.device() == q.device(), "attention: ", what, " must be on ", q.device(), ", got ",
+              t.device());
+  TORCH_CHECK(t.sizes() == q.sizes() && t.stride(-1) == 1 && t.scalar_type() == q.scalar_type(), "attention: ", what,
+              " must match q in shape and dtype, with a contiguous head dimension (stride 1)");
+}
+
+void attn_check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout_p) {
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "attention: dropout_p must be in [0, 1), got ", dropout_p);
+  TORCH_CHECK(q.is_cuda(), "attention: q must be a CUDA tensor, got ", q.device());
+  TORCH_CHECK(q.dim() == 3 || q.dim() == 4, "attention: q, k, v must be [B, heads, S, d] or [T, heads, d]");
+  TORCH_CHECK(q.stride(-1) == 1, "attention: the head dimension must be contiguous (stride 1)");
+  attn_check_like(k, q, "k");
+  attn_check_like(v, q, "v");
+  const int64_t d = q.size(-1);
+  TORCH_CHECK(d >= 1 && d <= cuda::kAttentionMaxHeadDim, "attention: the CUDA kernel handles head_dim 1 to ",
+              cuda::kAttentionMaxHeadDim, ", got head_dim ", d, " (use the triton or reference backend)");
+}
+
+void attn_check_lse(const at::Tensor& lse, const at::Tensor& q) {  // one value per row of each head
+  TORCH_CHECK(lse.is_cuda() && lse.device() == q.device() && lse.scalar_type() == at::kFloat && lse.is_contiguous() &&
+                  lse.numel() == q.numel() / q.size(-1),
+              "attention: lse must be a contiguous float32 [B, heads, S] or [heads, T] on q's device");
+}
+
+cuda::AttentionTensor attn_tensor(const at::Tensor& t) {  // [B, heads, S, d] or [T, heads, d]
+  if (t.dim() == 4) return {t.data_ptr(), t.stride(0), t.stride(1), t.stride(2)};
+  return {t.data_ptr(), 0, t.stride(1), t.stride(0)};
+}
+
+// The launchers' batch, the tensors it points into (cu_seqlens converted to int32 if need be) and the
+// storage dtype; checks lse. Runs under a CUDAGuard for q's device (the conversion launches a kernel).
+struct AttnBatch {
+  cuda::AttentionBatch batch;
+  at::Tensor key_mask, cu_seqlens;
+  DType dtype;
+};
+
+AttnBatch attn_batch(const at::Tensor& q, const at::Tensor& lse, const std::optional<at::Tensor>& key_mask,
+                     const std::optional<at::Tensor>& cu_seqlens) {
+  attn_check_lse(lse, q);
+  AttnBatch a;
+  a.dtype = dtype_of(q, "attention");
+  a.batch.heads = q.size(1);
+  a.batch.head_dim = q.size(-1);
+  if (q.dim() == 4) {
+    a.batch.sequences = q.size(0);
+    a.batch.tokens = q.size(2);
+    if (key_mask.has_value()) {
+      const at::Tensor& m = *key_mask;
+      TORCH_CHECK(m.is_cuda() && m.device() == q.device(), "attention: key_mask must be on ", q.device());
+      TORCH_CHECK((m.scalar_type() == at::kBool || m.scalar_type() == at::kByte) && m.is_contiguous() &&
+                      m.dim() == 2 && m.size(0) == q.size(0) && m.size(1) == q.size(2),
+                  "attention: key_mask must be a contiguous bool [B, S]");
+      a.key_mask = m;
+      a.batch.key_mask = static_cast<const uint8_t*>(m.data_ptr());
+    }
+  } else {
+    TORCH_CHECK(cu_seqlens.has_value(), "attention: varlen needs [T, heads, d] and cu_seqlens");
+    const at::Tensor& cu = *cu_seqlens;
+    TORCH_CHECK(cu.is_cuda() && cu.device() == q.device(), "attention: cu_seqlens must be on ", q.device());
+    TORCH_CHECK(cu.dim() == 1 && cu.numel() >= 1 && (cu.scalar_type() == at::kInt || cu.scalar_type() == at::kLong),
+                "attention: cu_seqlens must be an int32 [B + 1]");
+    // Its values are not checked here (that would wait for the GPU): varlen_attention checks them in
+    // eager mode, and the kernels clamp offsets to [0, T].
+    a.cu_seqlens = cu.to(at::kInt).contiguous();
+    a.batch.sequences = a.cu_seqlens.numel() - 1;
+    a.batch.tokens = q.size(0);
+    a.batch.cu_seqlens = a.cu_seqlens.data_ptr<int32_t>();
+  }
+  return a;
+}
+
+void attention_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const std::optional<at::Tensor>& key_mask, const std::optional<at::Tensor>& cu_seqlens,
+                        double scale, double dropout_p, int64_t seed, const at::Tensor& out, const at::Tensor& lse) {
+  attn_check_inputs(q, k, v, dropout_p);
+  attn_check_like(out, q, "out");
+  const c10::cuda::CUDAGuard guard(q.device());
+  const AttnBatch a = attn_batch(q, lse, key_mask, cu_seqlens);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  check_launch(cuda::attention_fwd(a.dtype, a.batch, attn_tensor(q), attn_tensor(k), attn_tensor(v), attn_tensor(out),
+                                   lse.data_ptr<float>(), float(scale), float(dropout_p), uint64_t(seed), stream),
+               "attention_fwd");
+}
+
+void attention_bwd_cuda(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& key_mask,
+                        const std::optional<at::Tensor>& cu_seqlens, double scale, double dropout_p, int64_t seed,
+                        const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv) {
+  attn_check_inputs(q, k, v, dropout_p);
+  attn_check_like(grad, q, "grad");
+  attn_check_like(out, q, "out");
+  attn_check_like(dq, q, "dq");
+  attn_check_like(dk, q, "dk");
+  attn_check_like(dv, q, "dv");
+  const c10::cuda::CUDAGuard guard(q.device());
+  const AttnBatch a = attn_batch(q, lse, key_mask, cu_seqlens);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const size_t bytes = cuda::attention_bwd_workspace_bytes(a.batch);
+  // From the caching allocator on the current stream, like add_layer_norm's workspace.
+  const at::Tensor workspace = at::empty({int64_t(bytes)}, q.options().dtype(at::kByte));
+  check_launch(cuda::attention_bwd(a.dtype, a.batch, attn_tensor(grad), attn_tensor(q), attn_tensor(k), attn_tensor(v),
+                                   attn_tensor(out), lse.data_ptr<float>(), attn_tensor(dq), attn_tensor(dk),
+                                   attn_tensor(dv), bytes ? workspace.data_ptr() : nullptr, bytes, float(scale),
+                                   float(dropout_p), uint64_t(seed), stream),
+               "attention_bwd");
+}
+
 // ----------------------------------------------------------------------------------------- bias_gelu
 
 void bg_check(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& out, const char* out_name) {
@@ -168,6 +281,8 @@ void bias_gelu_bwd_cuda(const at::Tensor& grad, const at::Tensor& x, const at::T
 TORCH_LIBRARY_IMPL(fastbert_C, CUDA, m) {
   m.impl("add_layer_norm_fwd", &fastbert::add_layer_norm_fwd_cuda);
   m.impl("add_layer_norm_bwd", &fastbert::add_layer_norm_bwd_cuda);
+  m.impl("attention_fwd", &fastbert::attention_fwd_cuda);
+  m.impl("attention_bwd", &fastbert::attention_bwd_cuda);
   m.impl("bias_gelu_fwd", &fastbert::bias_gelu_fwd_cuda);
   m.impl("bias_gelu_bwd", &fastbert::bias_gelu_bwd_cuda);
 }

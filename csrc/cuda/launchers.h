@@ -1,8 +1,10 @@
-// Torch-free launchers for fastbert's CUDA kernels (add_layer_norm.cu, bias_gelu.cu): raw pointers,
-// sizes, a storage dtype tag and a stream in, a cudaError_t out (the launch's, via cudaGetLastError).
+// Torch-free launchers for fastbert's CUDA kernels (add_layer_norm.cu, attention.cu, bias_gelu.cu):
+// raw pointers, sizes, a storage dtype tag and a stream in, a cudaError_t out (the launch's, via
+// cudaGetLastError).
 // bindings.cpp (built only against a CUDA torch) checks tensors and calls these; the .cu files include
 // no torch header, so they compile with plain nvcc anywhere (tests/test_cuda_compile.py).
-// All tensors are contiguous, row-major [rows, n]; math is fp32 whatever the storage dtype.
+// Row-wise ops take contiguous, row-major [rows, n] tensors; attention takes strided views (below).
+// Math is fp32 whatever the storage dtype.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -40,6 +42,49 @@ cudaError_t add_layer_norm_bwd(DType dtype, const void* grad, const void* x, con
                                void* grad_x, float* grad_weight, float* grad_bias, void* workspace,
                                size_t workspace_bytes, int64_t rows, int64_t n, float dropout_p, uint64_t seed,
                                int sm_count, cudaStream_t stream);
+
+// Widest attention head: tiles are padded to 32, 64 or 128 columns.
+constexpr int64_t kAttentionMaxHeadDim = 128;
+
+// One attention tensor (q, k, v, out, their gradients), any strides but a contiguous head dim: row r of
+// head h of sequence i is at data + (start_i + r) * row + i * seq + h * head elements, with start_i =
+// cu_seqlens[i] in a varlen batch ([T, heads, d]: seq = 0) and 0 in a padded one ([B, heads, S, d]).
+// The launchers only read the inputs.
+struct AttentionTensor {
+  void* data;
+  int64_t seq, head, row;
+};
+
+// A padded batch (B sequences of S rows, optional key-padding mask) or a varlen one (cu_seqlens).
+struct AttentionBatch {
+  int64_t sequences = 0;                // B
+  int64_t heads = 0;
+  int64_t tokens = 0;                   // rows per head: S (padded) or T (varlen)
+  int64_t head_dim = 0;                 // 1 .. kAttentionMaxHeadDim
+  const uint8_t* key_mask = nullptr;    // padded only: device [B, S], nonzero = keep; null keeps all keys
+  const int32_t* cu_seqlens = nullptr;  // varlen only: device int32 [B + 1], rising from 0 to T
+};
+
+// out = softmax(q k^T * scale, masked keys excluded) v, with dropout on the probabilities; lse: float32
+// logsumexp of the scaled scores, contiguous [B, heads, S] (padded) or [heads, T] (varlen), +inf for a
+// query row with no kept key (whose out row is zeros). Dropout keeps probability (query r, key j) of
+// head h of sequence i where Dropout{dropout_p, seed}.keep(i, h, r, j) (csrc/cpu/dropout.h), scaling
+// it by 1 / (1 - dropout_p): the elements the CPU kernel keeps.
+cudaError_t attention_fwd(DType dtype, const AttentionBatch& batch, AttentionTensor q, AttentionTensor k,
+                          AttentionTensor v, AttentionTensor out, float* lse, float scale, float dropout_p,
+                          uint64_t seed, cudaStream_t stream);
+
+// Bytes of float32 scratch that attention_bwd needs (D = rowsum(dO * O), one value per lse entry).
+size_t attention_bwd_workspace_bytes(const AttentionBatch& batch);
+
+// dq, dk, dv from grad (d loss / d out) and the forward's out and lse, recomputing the probabilities
+// tile by tile; deterministic (one kernel for dq per query tile, one for dk and dv per key tile, no
+// atomics). Keys after the last kept one get zero gradients.
+cudaError_t attention_bwd(DType dtype, const AttentionBatch& batch, AttentionTensor grad, AttentionTensor q,
+                          AttentionTensor k, AttentionTensor v, AttentionTensor out, const float* lse,
+                          AttentionTensor dq, AttentionTensor dk, AttentionTensor dv, void* workspace,
+                          size_t workspace_bytes, float scale, float dropout_p, uint64_t seed,
+                          cudaStream_t stream);
 
 // out = gelu(x + bias), exact (erf) or, with tanh_form, the tanh approximation; bias [n].
 cudaError_t bias_gelu_fwd(DType dtype, const void* x, const void* bias, void* out, int64_t rows, int64_t n,

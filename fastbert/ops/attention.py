@@ -66,7 +66,9 @@ dispatch.register("varlen_attention", "reference", dispatch.Support(("cpu", "cud
 )
 
 
-# ---------------------------------------------------------------------------------------- cpu (C++)
+# ------------------------------------------------------------------------------ cpu (C++) and cuda
+# One pair of custom ops serves both compiled backends: torch.ops.fastbert_C.attention_fwd/bwd dispatch
+# on the tensors' device to csrc/cpu/attention.cpp or csrc/cuda/attention.cu (only in a CUDA build of _C).
 
 
 def _head_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -128,7 +130,7 @@ def _cpu_setup_context(ctx, inputs, output):
 
 def _cpu_autograd(ctx, grad, _grad_lse):
     q, k, v, out, lse, key_mask, cu_seqlens, seed = ctx.saved_tensors
-    dispatch.note(("attention" if q.dim() == 4 else "varlen_attention") + ".backward", "cpu")
+    dispatch.note(("attention" if q.dim() == 4 else "varlen_attention") + ".backward", "cuda" if q.is_cuda else "cpu")
     dq, dk, dv = _cpu_backward(grad, q, k, v, out, lse, key_mask, cu_seqlens, ctx.scale, ctx.dropout_p, seed)
     return dq, dk, dv, None, None, None, None, None
 
@@ -213,26 +215,36 @@ def _triton_autograd(ctx, grad, _grad_lse):
 
 _triton_forward.register_autograd(_triton_autograd, setup_context=_triton_setup_context)
 
-TRITON_MAX_HEAD_DIM = 128
+MAX_HEAD_DIM = 128  # the triton and cuda kernels' widest head
 
 
-def _triton_head_dim_reasons(f: dispatch.Facts) -> list[str]:
-    if f.head_dim is not None and not 1 <= f.head_dim <= TRITON_MAX_HEAD_DIM:
-        return [f"head_dim {f.head_dim} (supported: 1 to {TRITON_MAX_HEAD_DIM})"]
+def _head_dim_reasons(f: dispatch.Facts) -> list[str]:
+    if f.head_dim is not None and not 1 <= f.head_dim <= MAX_HEAD_DIM:
+        return [f"head_dim {f.head_dim} (supported: 1 to {MAX_HEAD_DIM})"]
     return []
 
 
 _TRITON_SUPPORT = dispatch.Support(("cuda", "cpu"), (torch.float16, torch.bfloat16, torch.float32))
 
 
-@dispatch.register("attention", "triton", _TRITON_SUPPORT, _triton_head_dim_reasons)
+@dispatch.register("attention", "triton", _TRITON_SUPPORT, _head_dim_reasons)
 def _triton(q, k, v, attention_mask, dropout_p, scale, need_weights):
     key_mask = None if attention_mask is None else attention_mask.bool()
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return _triton_forward(q, k, v, key_mask, None, q.shape[2], scale, dropout_p, dropout_seed(dropout_p, q.device))[0]
 
 
-@dispatch.register("varlen_attention", "triton", _TRITON_SUPPORT, _triton_head_dim_reasons)
+@dispatch.register("varlen_attention", "triton", _TRITON_SUPPORT, _head_dim_reasons)
 def _triton_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale):
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return _triton_forward(q, k, v, None, cu_seqlens, max_seqlen, scale, dropout_p, dropout_seed(dropout_p, q.device))[0]
+
+
+# -------------------------------------------------------------------------------------------- cuda
+# The cpu backend's functions and custom ops, on CUDA tensors (see "cpu (C++) and cuda" above): fp32
+# FMA tiles for now, no tensor cores. The dropout seed stays on the CPU, drawn from torch's generator
+# as for cpu, so one seed keeps the same elements on both devices, and reading it into the kernel's
+# arguments never waits for the GPU.
+_CUDA_SUPPORT = dispatch.Support(("cuda",), (torch.float16, torch.bfloat16, torch.float32))
+dispatch.register("attention", "cuda", _CUDA_SUPPORT, _head_dim_reasons)(_cpu)
+dispatch.register("varlen_attention", "cuda", _CUDA_SUPPORT, _head_dim_reasons)(_cpu_varlen)
