@@ -32,17 +32,6 @@ inline void load_x(const T* x, const float* mult, int64_t m, VecF& a, VecF& b) {
   }
 }
 
-// Row values as float: bfloat16 rows are converted once instead of once per pass.
-template <typename T>
-void to_float(const T* src, float* dst, int64_t n) {
-  for (int64_t j = 0; j < n; j += kBlock) {
-    const int64_t m = std::min(kBlock, n - j);
-    VecF a, b;
-    load2(src + j, m, a, b);
-    store2(dst + j, m, a, b);
-  }
-}
-
 template <typename T>
 void forward(const T* x, const T* res, const T* w, const T* b, T* y, float* mean_out, float* rstd_out,
              int64_t rows, int64_t n, float eps, const Dropout& dropout) {

@@ -14,16 +14,18 @@ constexpr float kInvSqrt2Pi = 0.39894228040143268f;
 constexpr float kTanhScale = 0.79788456080286536f;  // sqrt(2 / pi)
 constexpr float kTanhCubic = 0.044715f;
 
+template <typename T>
 inline VecF gelu(const VecF& x, bool tanh_form) {
   const VecF half(0.5f), one(1.f);
   if (tanh_form) {
     VecF inner = VecF(kTanhScale) * (x + VecF(kTanhCubic) * x * x * x);
     return half * x * (one + inner.tanh());
   }
-  return half * x * (one + erf_fast(x * VecF(kInvSqrt2)));
+  return half * x * (one + erf_for<T>(x * VecF(kInvSqrt2)));
 }
 
 // d gelu(x) / dx
+template <typename T>
 inline VecF gelu_grad(const VecF& x, bool tanh_form) {
   const VecF half(0.5f), one(1.f);
   if (tanh_form) {
@@ -32,46 +34,48 @@ inline VecF gelu_grad(const VecF& x, bool tanh_form) {
     VecF dinner = VecF(kTanhScale) * (one + VecF(3.f * kTanhCubic) * x2);
     return half * (one + t) + half * x * (one - t * t) * dinner;
   }
-  VecF cdf = half * (one + erf_fast(x * VecF(kInvSqrt2)));
+  VecF cdf = half * (one + erf_for<T>(x * VecF(kInvSqrt2)));
   VecF pdf = VecF(kInvSqrt2Pi) * (VecF(-0.5f) * x * x).exp();
   return cdf + x * pdf;
 }
 
-// Rows of `n` elements; grain so a thread gets at least ~32K elements.
-template <typename F>
-void for_rows(int64_t rows, int64_t n, const F& f) {
+// Rows of `n` elements, f(r, bias as float); grain so a thread gets at least ~32K elements.
+template <typename T, typename F>
+void for_rows(int64_t rows, int64_t n, const T* bias, const F& f) {
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) f(r);
+    std::vector<float> b(n);
+    to_float(bias, b.data(), n);
+    for (int64_t r = begin; r < end; ++r) f(r, b.data());
   });
 }
 
 template <typename T>
 void forward(const T* x, const T* bias, T* out, int64_t rows, int64_t n, bool tanh_form) {
-  for_rows(rows, n, [&](int64_t r) {
+  for_rows(rows, n, bias, [&](int64_t r, const float* b) {
     const T* xr = x + r * n;
     T* yr = out + r * n;
     for (int64_t j = 0; j < n; j += kBlock) {
       const int64_t m = std::min(kBlock, n - j);
       VecF x0, x1, b0, b1;
       load2(xr + j, m, x0, x1);
-      load2(bias + j, m, b0, b1);
-      store2(yr + j, m, gelu(x0 + b0, tanh_form), gelu(x1 + b1, tanh_form));
+      load2(b + j, m, b0, b1);
+      store2(yr + j, m, gelu<T>(x0 + b0, tanh_form), gelu<T>(x1 + b1, tanh_form));
     }
   });
 }
 
 template <typename T>
 void backward(const T* grad, const T* x, const T* bias, T* grad_x, int64_t rows, int64_t n, bool tanh_form) {
-  for_rows(rows, n, [&](int64_t r) {
+  for_rows(rows, n, bias, [&](int64_t r, const float* b) {
     const int64_t o = r * n;
     for (int64_t j = 0; j < n; j += kBlock) {
       const int64_t m = std::min(kBlock, n - j);
       VecF g0, g1, x0, x1, b0, b1;
       load2(grad + o + j, m, g0, g1);
       load2(x + o + j, m, x0, x1);
-      load2(bias + j, m, b0, b1);
-      store2(grad_x + o + j, m, g0 * gelu_grad(x0 + b0, tanh_form), g1 * gelu_grad(x1 + b1, tanh_form));
+      load2(b + j, m, b0, b1);
+      store2(grad_x + o + j, m, g0 * gelu_grad<T>(x0 + b0, tanh_form), g1 * gelu_grad<T>(x1 + b1, tanh_form));
     }
   });
 }
