@@ -104,6 +104,7 @@ def register(op: str, backend: str, support: Support, extra_reasons=None):
 
     def wrap(fn):
         _REGISTRY[op][backend] = Impl(fn, support, extra_reasons)
+        _choices.clear()
         return fn
 
     return wrap
@@ -277,9 +278,26 @@ def _log_fallback_once(op: str, skipped: dict[str, list[str]]) -> None:
     logger.warning("fastbert: %s falls back to the reference (%s)", op, text)
 
 
+# Eager calls remember each choice: the same op on the same kinds of tensors under the same override
+# always gets the same answer while the registry stands (register() empties it). A forced backend
+# that cannot serve raises each time instead of being remembered.
+_choices: dict[tuple, tuple[str, dict[str, list[str]]]] = {}
+
+
 def select(op: str, inputs: dict | Facts) -> tuple[str, dict[str, list[str]]]:
     """The backend that runs `op` on `inputs`, and the reasons of each backend passed over."""
-    f = inputs if isinstance(inputs, Facts) else facts(inputs)
+    if isinstance(inputs, dict) and not torch.compiler.is_compiling():
+        key = (op, tuple((t.device.type, t.dtype) for t in inputs.get("tensors", ()) if t is not None),
+               inputs.get("head_dim"), inputs.get("dropout_p", 0.0) > 0, bool(inputs.get("need_weights", False)),
+               forced_backend(op))
+        choice = _choices.get(key)
+        if choice is None:
+            choice = _choices[key] = _select_uncached(op, facts(inputs))
+        return choice
+    return _select_uncached(op, inputs if isinstance(inputs, Facts) else facts(inputs))
+
+
+def _select_uncached(op: str, f: Facts) -> tuple[str, dict[str, list[str]]]:
     dtypes = tuple(_dtype_name(d) for d in f.dtypes)
     return _select(op, f.devices, dtypes, f.head_dim, f.dropout, f.need_weights)
 

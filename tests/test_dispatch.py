@@ -30,6 +30,7 @@ def restore_registry():
     for op, impls in saved.items():
         dispatch._REGISTRY[op].clear()
         dispatch._REGISTRY[op].update(impls)
+    dispatch._choices.clear()
 
 
 def test_reason_lists_dtype_device_head_dim_and_probabilities(restore_registry):
