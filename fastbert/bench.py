@@ -208,6 +208,11 @@ def build_competitors(names, ours, eager, sdpa, dtype, workdir) -> list[Competit
             elif name == "hf-sdpa":
                 out.append(Competitor(name, hf_runner(sdpa)))
             elif name == "compile":
+                # A fresh dynamo cache per model and dtype: transformers' models share one forward
+                # wrapper, and past the recompile limit dynamo would quietly run it eager (and eager
+                # would be timed as "compile"); past it, fail instead.
+                torch._dynamo.reset()
+                torch._dynamo.config.fail_on_recompile_limit_hit = True
                 out.append(Competitor(name, hf_runner(torch.compile(sdpa, dynamic=False))))
             elif name == "nested":
                 run, why = nested_encoder(eager, dtype)
