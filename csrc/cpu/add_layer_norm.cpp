@@ -49,9 +49,8 @@ void forward(const T* x, const T* res, const T* w, const T* b, T* y, float* mean
       // The mean is taken relative to the row's first element, so a constant row's mean (and a zero
       // variance) come out exact instead of one rounding off, which rstd would magnify.
       const float shift = static_cast<float>(xr[0]) * (mr ? mr[0] : 1.f) + static_cast<float>(rr[0]);
-      VecF acc(0.f);
-      for (int64_t j = 0; j < n; j += kBlock) {
-        const int64_t m = std::min(kBlock, n - j);
+      VecF acc0(0.f), acc1(0.f);  // two chains: a single one would wait on each add's latency
+      for_blocks(n, [&](int64_t j, int64_t m) {
         VecF x0, x1, r0, r1;
         load_x(xr + j, mr ? mr + j : nullptr, m, x0, x1);
         load2(rr + j, m, r0, r1);
@@ -62,13 +61,13 @@ void forward(const T* x, const T* res, const T* w, const T* b, T* y, float* mean
           d0 = VecF::set(VecF(0.f), d0, std::min(m, kHalf));
           d1 = VecF::set(VecF(0.f), d1, std::max<int64_t>(m - kHalf, 0));
         }
-        acc = acc + d0 + d1;
-      }
-      const float mean = shift + reduce_sum(acc) / n;
-      VecF sq(0.f);
+        acc0 = acc0 + d0;
+        acc1 = acc1 + d1;
+      });
+      const float mean = shift + reduce_sum(acc0 + acc1) / n;
+      VecF sq0(0.f), sq1(0.f);
       const VecF vmean(mean);
-      for (int64_t j = 0; j < n; j += kBlock) {
-        const int64_t m = std::min(kBlock, n - j);
+      for_blocks(n, [&](int64_t j, int64_t m) {
         VecF h0, h1;
         load2(h.data() + j, m, h0, h1);
         VecF d0 = h0 - vmean, d1 = h1 - vmean;
@@ -76,22 +75,22 @@ void forward(const T* x, const T* res, const T* w, const T* b, T* y, float* mean
           d0 = VecF::set(VecF(0.f), d0, std::min(m, kHalf));
           d1 = VecF::set(VecF(0.f), d1, std::max<int64_t>(m - kHalf, 0));
         }
-        sq = sq + d0 * d0 + d1 * d1;
-      }
-      const float var = reduce_sum(sq) / n;
+        sq0 = at::vec::fmadd(d0, d0, sq0);
+        sq1 = at::vec::fmadd(d1, d1, sq1);
+      });
+      const float var = reduce_sum(sq0 + sq1) / n;
       const float rstd = 1.f / std::sqrt(var + eps);
       mean_out[r] = mean;
       rstd_out[r] = rstd;
       const VecF vrstd(rstd);
       T* yr = y + r * n;
-      for (int64_t j = 0; j < n; j += kBlock) {
-        const int64_t m = std::min(kBlock, n - j);
+      for_blocks(n, [&](int64_t j, int64_t m) {
         VecF h0, h1, w0, w1, b0, b1;
         load2(h.data() + j, m, h0, h1);
         load2(wf.data() + j, m, w0, w1);
         load2(bf.data() + j, m, b0, b1);
-        store2(yr + j, m, (h0 - vmean) * vrstd * w0 + b0, (h1 - vmean) * vrstd * w1 + b1);
-      }
+        store2(yr + j, m, at::vec::fmadd((h0 - vmean) * vrstd, w0, b0), at::vec::fmadd((h1 - vmean) * vrstd, w1, b1));
+      });
     }
   });
 }

@@ -55,13 +55,12 @@ void forward(const T* x, const T* bias, T* out, int64_t rows, int64_t n, bool ta
   for_rows(rows, n, bias, [&](int64_t r, const float* b) {
     const T* xr = x + r * n;
     T* yr = out + r * n;
-    for (int64_t j = 0; j < n; j += kBlock) {
-      const int64_t m = std::min(kBlock, n - j);
+    for_blocks(n, [&](int64_t j, int64_t m) {
       VecF x0, x1, b0, b1;
       load2(xr + j, m, x0, x1);
       load2(b + j, m, b0, b1);
       store2(yr + j, m, gelu<T>(x0 + b0, tanh_form), gelu<T>(x1 + b1, tanh_form));
-    }
+    });
   });
 }
 
@@ -69,14 +68,13 @@ template <typename T>
 void backward(const T* grad, const T* x, const T* bias, T* grad_x, int64_t rows, int64_t n, bool tanh_form) {
   for_rows(rows, n, bias, [&](int64_t r, const float* b) {
     const int64_t o = r * n;
-    for (int64_t j = 0; j < n; j += kBlock) {
-      const int64_t m = std::min(kBlock, n - j);
+    for_blocks(n, [&](int64_t j, int64_t m) {
       VecF g0, g1, x0, x1, b0, b1;
       load2(grad + o + j, m, g0, g1);
       load2(x + o + j, m, x0, x1);
       load2(b + j, m, b0, b1);
       store2(grad_x + o + j, m, g0 * gelu_grad<T>(x0 + b0, tanh_form), g1 * gelu_grad<T>(x1 + b1, tanh_form));
-    }
+    });
   });
 }
 

@@ -50,6 +50,15 @@ inline void store2(c10::BFloat16* p, int64_t n, const VecF& a, const VecF& b) {
   if (n == kBlock) v.store(p); else v.store(p, n);
 }
 
+// f(j, m) over [0, n) in blocks of m elements: every full block first, with m == kBlock a constant the
+// compiler folds into plain loads and stores (no masks, no branches), then the tail.
+template <typename F>
+inline void for_blocks(int64_t n, const F& f) {
+  int64_t j = 0;
+  for (; j + kBlock <= n; j += kBlock) f(j, kBlock);
+  if (j < n) f(j, n - j);
+}
+
 // n values as float (weights, biases: converted once per thread instead of once per row).
 template <typename T>
 void to_float(const T* src, float* dst, int64_t n) {
