@@ -2,8 +2,10 @@
 
 rel err = ||out - ref|| / ||ref||, with `ref` computed in float64 on upcast inputs. A kernel must be
 within the table's bound for its dtype and, where the same-dtype naive computation is given, within
-2x that computation's own error (plus a small floor), so a kernel is never allowed to be much worse
-than plain PyTorch. NaN never passes.
+2x that computation's own error (plus a small floor: a tenth of the bound, or one rounding step of the
+dtype, whichever is larger), so a kernel is never allowed to be much worse than plain PyTorch. Where
+plain PyTorch in that dtype is itself beyond the table's bound (an ill-conditioned result: bf16 terms
+that cancel in a short sum), the 2x-of-PyTorch bar is the one that applies. NaN never passes.
 """
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ TOLERANCES = {
 KINDS = ("elementwise", "matmul", "grad")
 GRAD_FLOOR = 1e-2  # x the largest gradient norm of the same call: the floor for an all-zero true gradient
 NAIVE_FACTOR = 2.0  # a kernel may be at most this much worse than same-dtype PyTorch ...
-NAIVE_FLOOR = 0.1  # ... plus this fraction of the table's bound (rounding noise on tiny errors)
+NAIVE_FLOOR = 0.1  # ... plus this fraction of the table's bound or one rounding step (eps) of the dtype,
+# whichever is larger: two correct implementations may round a single-element result one ulp apart.
 
 
 def tolerance(dtype: torch.dtype, kind: str) -> float:
@@ -64,7 +67,8 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, kind:
     """Assert `out` (computed in `dtype`) matches the float64 `ref`; returns the rel err.
 
     `naive`, if given, is the same quantity from plain PyTorch in `dtype`: `out` may be at most
-    NAIVE_FACTOR x its error (+ NAIVE_FLOOR x the bound).
+    NAIVE_FACTOR x its error (+ the larger of NAIVE_FLOOR x the bound and the dtype's eps), and may
+    exceed the bound only where `naive` exceeds it too.
     """
     assert isinstance(out, torch.Tensor), f"{name}: expected a tensor, got {type(out).__name__}"
     assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
@@ -73,17 +77,20 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, kind:
         bad = int((~torch.isfinite(out)).sum())
         raise AssertionError(f"{name}: {bad} non-finite elements (NaN/inf) of {out.numel()}; " + _where(out, ref, tol))
     err = rel_err(out, ref, floor)
-    if err > tol:
-        raise AssertionError(f"{name}: rel err {err:.3g} > {tol:g} ({dtype}, {kind}); " + _where(out, ref, tol))
     # Against a reference below the floor (a gradient that is zero in exact arithmetic) both sides are
     # rounding noise, and same-dtype PyTorch may cancel exactly: only the table's bound applies.
+    naive_err = None
     if naive is not None and float(ref.detach().double().norm()) >= floor:
         naive_err = rel_err(naive, ref, floor)
-        bound = NAIVE_FACTOR * naive_err + NAIVE_FLOOR * tol
+    ill_conditioned = naive_err is not None and naive_err > tol and err <= NAIVE_FACTOR * naive_err
+    if err > tol and not ill_conditioned:
+        raise AssertionError(f"{name}: rel err {err:.3g} > {tol:g} ({dtype}, {kind}); " + _where(out, ref, tol))
+    if naive_err is not None:
+        bound = NAIVE_FACTOR * naive_err + max(NAIVE_FLOOR * tol, torch.finfo(dtype).eps)
         if err > bound:
             raise AssertionError(
                 f"{name}: rel err {err:.3g} is worse than {NAIVE_FACTOR:g} x same-dtype PyTorch's {naive_err:.3g} "
-                f"(+{NAIVE_FLOOR:g} x {tol:g}); " + _where(out, ref, tol)
+                f"(+ max({NAIVE_FLOOR:g} x {tol:g}, eps {torch.finfo(dtype).eps:.3g})); " + _where(out, ref, tol)
             )
     return err
 
