@@ -3,9 +3,9 @@
 Forward: one program per (query block, head, sequence) walks the key blocks with an online softmax in
 fp32 (base-2 exponent: the scale carries log2(e)) and stores the output and the logsumexp of each
 query row (natural log; +inf for a row with no kept key, whose output is zeros). Backward recomputes
-the probabilities from q, k and the logsumexp, never storing an S x S matrix: a preprocess kernel
-takes delta = rowsum(dO * O), one kernel per key block accumulates dK and dV over the query blocks,
-and one kernel per query block accumulates dQ over the key blocks (no atomics: deterministic).
+the probabilities from q, k and the logsumexp, never storing an S x S matrix: one kernel per query
+block first takes delta = rowsum(P * dP) over the key blocks, then accumulates dQ over them again;
+then one kernel per key block accumulates dK and dV over the query blocks (no atomics: deterministic).
 
 Layouts: q, k, v, out and the gradients are [B, heads, S, d] or [T, heads, d] with any strides (each
 tensor passes its own); varlen sequences are rows cu_seqlens[i]:cu_seqlens[i+1] of the packed tensor.
@@ -41,6 +41,21 @@ def _keep(seed, b, h, rows, cols, num_heads, max_len, dropout_p):
     """Dropout mask [BLOCK_M, BLOCK_N] for query rows x keys of (sequence b, head h): True = kept."""
     offsets = ((b * num_heads + h) * max_len + rows[:, None].to(tl.int64)) * max_len + cols[None, :]
     return tl.rand(seed, offsets) >= dropout_p
+
+
+@triton.jit
+def _key_block(K, V, KEY_MASK, b, n0, length, dims, dim_ok, stride_ks, stride_kd, stride_vs, stride_vd,
+               stride_mb, stride_ms, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The key block at n0: its positions, keys and values (zeros past the sequence), which keys count."""
+    cols = n0 + tl.arange(0, BLOCK_N)
+    col_in = cols < length
+    key_ok = col_in
+    if HAS_MASK:
+        key_ok = key_ok & (tl.load(KEY_MASK + b * stride_mb + cols * stride_ms, mask=col_in, other=0) != 0)
+    kv_mask = col_in[:, None] & dim_ok[None, :]
+    k = tl.load(K + cols[:, None] * stride_ks + dims[None, :] * stride_kd, mask=kv_mask, other=0.0)
+    v = tl.load(V + cols[:, None] * stride_vs + dims[None, :] * stride_vd, mask=kv_mask, other=0.0)
+    return cols, k, v, key_ok
 
 
 @triton.jit
@@ -90,14 +105,8 @@ def _attention_fwd_kernel(
     l_i = tl.zeros((BLOCK_M,), tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for n0 in range(0, length, BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
-        col_in = cols < length
-        key_ok = col_in
-        if HAS_MASK:
-            key_ok = key_ok & (tl.load(KEY_MASK + b * stride_mb + cols * stride_ms, mask=col_in, other=0) != 0)
-        kv_mask = col_in[:, None] & dim_ok[None, :]
-        k = tl.load(K + cols[:, None] * stride_ks + dims[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        v = tl.load(V + cols[:, None] * stride_vs + dims[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        cols, k, v, key_ok = _key_block(K, V, KEY_MASK, b, n0, length, dims, dim_ok, stride_ks, stride_kd,
+                                        stride_vs, stride_vd, stride_mb, stride_ms, HAS_MASK, BLOCK_N)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where(key_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -123,36 +132,6 @@ def _attention_fwd_kernel(
 
 
 @triton.jit
-def _attention_bwd_preprocess_kernel(
-    O,  # [B, heads, S, d] | [T, heads, d] forward output, strides stride_o*
-    DO,  # gradient of O, same shape, strides stride_g*
-    DELTA,  # float32 [B, heads, S] | [heads, T] rowsum(dO * O) (written), strides stride_l* (LSE's layout)
-    CU_SEQLENS,  # int32 [B + 1] token offsets of the sequences (read only when IS_VARLEN)
-    stride_ob, stride_oh, stride_os, stride_od,  # O strides: sequence (0 for varlen), head, row, dim
-    stride_gb, stride_gh, stride_gs, stride_gd,  # DO strides, as O's
-    stride_lb, stride_lh, stride_ls,  # DELTA strides: sequence (0 for varlen), head, row
-    max_len,  # S for padded batches, max_seqlen for varlen
-    head_dim,  # d
-    IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    h = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
-    start, length = _sequence_bounds(CU_SEQLENS, b, max_len, IS_VARLEN)
-    if pid_m * BLOCK_M >= length:
-        return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, BLOCK_D)
-    row_ok = rows < length
-    mask = row_ok[:, None] & (dims < head_dim)[None, :]
-    O += b * stride_ob + h * stride_oh + start * stride_os
-    DO += b * stride_gb + h * stride_gh + start * stride_gs
-    o = tl.load(O + rows[:, None] * stride_os + dims[None, :] * stride_od, mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(DO + rows[:, None] * stride_gs + dims[None, :] * stride_gd, mask=mask, other=0.0).to(tl.float32)
-    tl.store(DELTA + b * stride_lb + h * stride_lh + (start + rows) * stride_ls, tl.sum(o * do, 1), mask=row_ok)
-
-
-@triton.jit
 def _attention_bwd_dkdv_kernel(
     Q,  # [B, heads, S, d] | [T, heads, d] queries, strides stride_q*
     K,  # keys, same shape, strides stride_k*
@@ -161,7 +140,7 @@ def _attention_bwd_dkdv_kernel(
     DK,  # gradient of K (written), same shape, strides stride_dk*
     DV,  # gradient of V (written), same shape, strides stride_dv*
     LSE,  # float32 [B, heads, S] | [heads, T] forward logsumexp, strides stride_l*
-    DELTA,  # float32, LSE's shape and strides: rowsum(dO * O)
+    DELTA,  # float32, LSE's shape and strides: rowsum(P * dP), from the dQ kernel
     KEY_MASK,  # uint8 [B, S], nonzero = keep the key (read only when HAS_MASK), strides stride_m*
     CU_SEQLENS,  # int32 [B + 1] token offsets of the sequences (read only when IS_VARLEN)
     SEED,  # int64 [1] dropout seed (read only when DROPOUT)
@@ -238,6 +217,24 @@ def _attention_bwd_dkdv_kernel(
 
 
 @triton.jit
+def _probs_and_grads(q, do, lse, K, V, KEY_MASK, SEED, b, h, rows, n0, length, dims, dim_ok,
+                     stride_ks, stride_kd, stride_vs, stride_vd, stride_mb, stride_ms, num_heads, max_len,
+                     qk_scale, dropout_p, keep_scale, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr,
+                     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """For a block of query rows and the key block at n0: the keys, the probabilities P (0 for masked
+    keys) and dP, the gradient of P before dropout (dropped entries 0, kept ones scaled)."""
+    cols, k, v, key_ok = _key_block(K, V, KEY_MASK, b, n0, length, dims, dim_ok, stride_ks, stride_kd,
+                                    stride_vs, stride_vd, stride_mb, stride_ms, HAS_MASK, BLOCK_N)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    p = tl.exp2(tl.where(key_ok[None, :], s, float("-inf")) - lse[:, None])
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+    if DROPOUT:
+        keep = _keep(tl.load(SEED), b, h, rows, cols, num_heads, max_len, dropout_p)
+        dp = tl.where(keep, dp * keep_scale, 0.0)
+    return k, p, dp
+
+
+@triton.jit
 def _attention_bwd_dq_kernel(
     Q,  # [B, heads, S, d] | [T, heads, d] queries, strides stride_q*
     K,  # keys, same shape, strides stride_k*
@@ -245,7 +242,7 @@ def _attention_bwd_dq_kernel(
     DO,  # gradient of the output, same shape, strides stride_g*
     DQ,  # gradient of Q (written), same shape, strides stride_dq*
     LSE,  # float32 [B, heads, S] | [heads, T] forward logsumexp, strides stride_l*
-    DELTA,  # float32, LSE's shape and strides: rowsum(dO * O)
+    DELTA,  # float32, LSE's shape and strides: rowsum(P * dP) (written)
     KEY_MASK,  # uint8 [B, S], nonzero = keep the key (read only when HAS_MASK), strides stride_m*
     CU_SEQLENS,  # int32 [B + 1] token offsets of the sequences (read only when IS_VARLEN)
     SEED,  # int64 [1] dropout seed (read only when DROPOUT)
@@ -283,27 +280,25 @@ def _attention_bwd_dq_kernel(
     do = tl.load(DO + rows[:, None] * stride_gs + dims[None, :] * stride_gd, mask=q_mask, other=0.0)
     lse_at = b * stride_lb + h * stride_lh + (start + rows) * stride_ls
     lse = tl.load(LSE + lse_at, mask=row_ok, other=float("inf")) * 1.4426950408889634
-    delta = tl.load(DELTA + lse_at, mask=row_ok, other=0.0)
     K += b * stride_kb + h * stride_kh + start * stride_ks
     V += b * stride_vb + h * stride_vh + start * stride_vs
-    if DROPOUT:
-        seed = tl.load(SEED)
+
+    # delta = rowsum(P * dP) from the very P and dP that dS uses below, written for the dK/dV kernel
+    # (launched after this one). Not rowsum(dO * O): O's rounding does not cancel against dP's, and
+    # where softmax is nearly one-hot dP - delta is almost nothing, so q and k lost their precision.
+    delta = tl.zeros((BLOCK_M,), tl.float32)
+    for n0 in range(0, length, BLOCK_N):
+        k, p, dp = _probs_and_grads(q, do, lse, K, V, KEY_MASK, SEED, b, h, rows, n0, length, dims, dim_ok,
+                                    stride_ks, stride_kd, stride_vs, stride_vd, stride_mb, stride_ms, num_heads,
+                                    max_len, qk_scale, dropout_p, keep_scale, HAS_MASK, DROPOUT, BLOCK_N, PRECISION)
+        delta += tl.sum(p * dp, 1)
+    tl.store(DELTA + lse_at, delta, mask=row_ok)
 
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for n0 in range(0, length, BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
-        col_in = cols < length
-        key_ok = col_in
-        if HAS_MASK:
-            key_ok = key_ok & (tl.load(KEY_MASK + b * stride_mb + cols * stride_ms, mask=col_in, other=0) != 0)
-        kv_mask = col_in[:, None] & dim_ok[None, :]
-        k = tl.load(K + cols[:, None] * stride_ks + dims[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        v = tl.load(V + cols[:, None] * stride_vs + dims[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-        p = tl.exp2(tl.where(key_ok[None, :], s, float("-inf")) - lse[:, None])
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        if DROPOUT:
-            dp = tl.where(_keep(seed, b, h, rows, cols, num_heads, max_len, dropout_p), dp * keep_scale, 0.0)
+        k, p, dp = _probs_and_grads(q, do, lse, K, V, KEY_MASK, SEED, b, h, rows, n0, length, dims, dim_ok,
+                                    stride_ks, stride_kd, stride_vs, stride_vd, stride_mb, stride_ms, num_heads,
+                                    max_len, qk_scale, dropout_p, keep_scale, HAS_MASK, DROPOUT, BLOCK_N, PRECISION)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
 
@@ -367,29 +362,26 @@ def forward(q, k, v, key_mask, cu_seqlens, max_seqlen, scale, dropout_p, seed, o
 
 
 def backward(grad, q, k, v, out, lse, key_mask, cu_seqlens, max_seqlen, scale, dropout_p, seed, dq, dk, dv):
-    """Writes dq, dk, dv (q's shape) from the output gradient `grad` and forward's out and lse."""
+    """Writes dq, dk, dv (q's shape) from the output gradient `grad` and forward's lse (`out` is not
+    read: delta comes from the probabilities themselves)."""
     sequences, heads, max_len = _batch(q, cu_seqlens, max_seqlen)
     if q.numel() == 0 or sequences == 0 or max_len == 0:
         return
     block_m, block_n, block_d, warps = _config(q)
-    delta = torch.empty_like(lse)  # LSE's strides: the kernels share them
+    delta = torch.empty_like(lse)  # LSE's strides: the kernels share them; the dQ kernel writes it
     cu = cu_seqlens if cu_seqlens is not None else lse
-    _attention_bwd_preprocess_kernel[(triton.cdiv(max_len, block_m), heads, sequences)](
-        out, grad, delta, cu, *_strides(out), *_strides(grad), *_row_strides(delta), max_len, q.shape[-1],
-        IS_VARLEN=cu_seqlens is not None, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps,
-    )
     mask, stride_mb, stride_ms = _mask_args(key_mask, lse)
     common = dict(HAS_MASK=key_mask is not None, IS_VARLEN=cu_seqlens is not None, DROPOUT=dropout_p > 0,
                   BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION="ieee", num_warps=warps)
     scalars = (heads, max_len, q.shape[-1], scale, scale * LOG2E, dropout_p, 1.0 / (1.0 - dropout_p))
     seed = seed if seed is not None else lse
-    _attention_bwd_dkdv_kernel[(triton.cdiv(max_len, block_n), heads, sequences)](
-        q, k, v, grad, dk, dv, lse, delta, mask, cu, seed,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(grad), *_strides(dk), *_strides(dv),
-        *_row_strides(lse), stride_mb, stride_ms, *scalars, **common,
-    )
     _attention_bwd_dq_kernel[(triton.cdiv(max_len, block_m), heads, sequences)](
         q, k, v, grad, dq, lse, delta, mask, cu, seed,
         *_strides(q), *_strides(k), *_strides(v), *_strides(grad), *_strides(dq),
+        *_row_strides(lse), stride_mb, stride_ms, *scalars, **common,
+    )
+    _attention_bwd_dkdv_kernel[(triton.cdiv(max_len, block_n), heads, sequences)](
+        q, k, v, grad, dk, dv, lse, delta, mask, cu, seed,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(grad), *_strides(dk), *_strides(dv),
         *_row_strides(lse), stride_mb, stride_ms, *scalars, **common,
     )

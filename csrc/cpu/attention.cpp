@@ -304,18 +304,17 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
 
 template <typename T>
 void backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-              const at::Tensor& out, const at::Tensor& lse, const Batch& b, float scale, const Dropout& dropout,
+              const at::Tensor& lse, const Batch& b, float scale, const Dropout& dropout,
               const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv) {
-  const Layout lg = layout_of(grad), lq = layout_of(q), lk = layout_of(k), lv = layout_of(v), lo = layout_of(out);
+  const Layout lg = layout_of(grad), lq = layout_of(q), lk = layout_of(k), lv = layout_of(v);
   const Layout ldq = layout_of(dq), ldk = layout_of(dk), ldv = layout_of(dv);
   const Layout ll = q.dim() == 4 ? Layout{b.heads * q.size(2), q.size(2), 1} : Layout{0, q.size(0), 1};
-  const T *gp = grad.data_ptr<T>(), *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>(),
-          *op = out.data_ptr<T>();
+  const T *gp = grad.data_ptr<T>(), *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
   const float* lp = lse.data_ptr<float>();
   T *dqp = dq.data_ptr<T>(), *dkp = dk.data_ptr<T>(), *dvp = dv.data_ptr<T>();
   const int64_t d = b.d, Lmax = b.max_length;
   at::parallel_for(0, b.sequences * b.heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qbuf, kbuf, vbuf, gbuf, obuf, scratch, D(Lmax), LSE(Lmax), bias(Lmax), dQ(Lmax * d),
+    std::vector<float> qbuf, kbuf, vbuf, gbuf, scratch, D(Lmax), LSE(Lmax), bias(Lmax), dQ(Lmax * d),
         dK(kBlockK * d), dV(kBlockK * d), P(kBlockK * kBlockQ), dP(kBlockK * kBlockQ),
         kept(dropout.on() ? kBlockK * kBlockQ : 0), zeros(d, 0.f);
     for (int64_t task = begin; task < end; ++task) {
@@ -327,30 +326,24 @@ void backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, 
       const Rows<T> K(kp + lk.at(i, s0, h, 0), lk.row, keys, d, kbuf);
       const Rows<T> V(vp + lv.at(i, s0, h, 0), lv.row, keys, d, vbuf);
       const Rows<T> dO(gp + lg.at(i, s0, h, 0), lg.row, L, d, gbuf);
-      const Rows<T> O(op + lo.at(i, s0, h, 0), lo.row, L, d, obuf);
-      for (int64_t r = 0; r < L; ++r) {
-        float s = 0.f;  // D = rowsum(dO * O) = sum_j P_rj dP_rj
-        for (int64_t c = 0; c < d; ++c) s = std::fma(O.row(r)[c], dO.row(r)[c], s);
-        D[r] = s;
-        LSE[r] = lp[ll.at(i, s0, h, r)];
-      }
-      if constexpr (!std::is_same_v<T, float>) {
-        // O was stored rounded to T: D from it would carry T's rounding into every dS. Recompute
-        // D = sum_j P_rj dP_rj in fp32 instead (one more pass of the two score-sized GEMMs).
-        std::fill(D.begin(), D.begin() + L, 0.f);
-        for (int64_t kb = 0; kb < keys; kb += kBlockK) {
-          const int64_t nk = std::min(kBlockK, keys - kb);
-          for (int64_t qb = 0; qb < L; qb += kBlockQ) {
-            const int64_t nq = std::min(kBlockQ, L - qb);
-            gemm(false, true, nk, nq, d, K.row(kb), K.ld, Q.row(qb), Q.ld, P.data(), nq, scale, false, scratch);
-            gemm(false, true, nk, nq, d, V.row(kb), V.ld, dO.row(qb), dO.ld, dP.data(), nq, 1.f, false, scratch);
-            for (int64_t j = 0; j < nk; ++j)
-              for (int64_t r = 0; r < nq; ++r) {
-                float p = std::exp(P[j * nq + r] + bias[kb + j] - LSE[qb + r]);
-                if (dropout.on()) p = dropout.keep(i, h, qb + r, kb + j) ? p * dropout.scale() : 0.f;
-                D[qb + r] += p * dP[j * nq + r];
-              }
-          }
+      for (int64_t r = 0; r < L; ++r) LSE[r] = lp[ll.at(i, s0, h, r)];
+      // D = rowsum(P * dP), recomputed in fp32 from the same P and dP that dS = P * (dP - D) uses
+      // (one more pass of the two score-sized GEMMs) rather than rowsum(dO * O): O's rounding (T's, or
+      // fp32's summed over d) is uncorrelated with dP's, and where softmax is nearly one-hot dP - D
+      // cancels to almost nothing, so D from O left q and k gradients with ~60x plain PyTorch's error.
+      std::fill(D.begin(), D.begin() + L, 0.f);
+      for (int64_t kb = 0; kb < keys; kb += kBlockK) {
+        const int64_t nk = std::min(kBlockK, keys - kb);
+        for (int64_t qb = 0; qb < L; qb += kBlockQ) {
+          const int64_t nq = std::min(kBlockQ, L - qb);
+          gemm(false, true, nk, nq, d, K.row(kb), K.ld, Q.row(qb), Q.ld, P.data(), nq, scale, false, scratch);
+          gemm(false, true, nk, nq, d, V.row(kb), V.ld, dO.row(qb), dO.ld, dP.data(), nq, 1.f, false, scratch);
+          for (int64_t j = 0; j < nk; ++j)
+            for (int64_t r = 0; r < nq; ++r) {
+              float p = std::exp(P[j * nq + r] + bias[kb + j] - LSE[qb + r]);
+              if (dropout.on()) p = dropout.keep(i, h, qb + r, kb + j) ? p * dropout.scale() : 0.f;
+              D[qb + r] += p * dP[j * nq + r];
+            }
         }
       }
       std::fill(dQ.begin(), dQ.begin() + L * d, 0.f);
@@ -449,9 +442,9 @@ void attention_bwd(const at::Tensor& grad, const at::Tensor& q, const at::Tensor
     TORCH_CHECK(t->sizes() == q.sizes() && t->stride(-1) == 1 && t->scalar_type() == q.scalar_type(),
                 "attention: grad, out, dq, dk, dv must match q");
   const Batch b = describe(q, key_mask, cu_seqlens);
-  if (q.scalar_type() == at::kFloat) backward<float>(grad, q, k, v, out, lse, b, (float)scale, dropout, dq, dk, dv);
+  if (q.scalar_type() == at::kFloat) backward<float>(grad, q, k, v, lse, b, (float)scale, dropout, dq, dk, dv);
   else if (q.scalar_type() == at::kBFloat16)
-    backward<at::BFloat16>(grad, q, k, v, out, lse, b, (float)scale, dropout, dq, dk, dv);
+    backward<at::BFloat16>(grad, q, k, v, lse, b, (float)scale, dropout, dq, dk, dv);
   else TORCH_CHECK(false, "attention: dtype ", q.scalar_type(), " (supported: float32, bfloat16)");
 }
 

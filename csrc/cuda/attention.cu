@@ -3,8 +3,9 @@
 // cu_seqlens). Torch-free (launchers.h); float / half / bfloat16 storage, fp32 math. Mirrors
 // csrc/cpu/attention.cpp: lse +inf and a zero output for a query row with no kept key, its dropout keep
 // decisions (csrc/cpu/dropout.h, hashed from (sequence, head, query, key)), its D for backward
-// (rowsum(dO * O) for float32; for 16-bit storage, whose rounded O would leak into every dS, D =
-// sum_j P_dropped dP recomputed in fp32), and exactly zero q/k gradients when one key is kept.
+// (sum_j P_dropped dP recomputed in fp32 from the P and dP that dS uses, never rowsum(dO * O), whose
+// rounding would not cancel where softmax is nearly one-hot), and exactly zero q/k gradients when one
+// key is kept.
 //
 // A first version: fp32 FMA on shared-memory tiles, no tensor cores (wmma/mma for fp16/bf16 is the next
 // step). A block is 256 threads, 16 x 16: thread (ty, tx) owns rows ty + 16 i and columns tx + 16 j of
@@ -292,8 +293,8 @@ __device__ void probs_and_grads(const Params& p, const Seq& s, int64_t h, int64_
   tile_product<RI, CJ, D>(dp, sG, LD, sKV, 1, LD);
 }
 
-// dQ = scale * dS K with dS = P * (dP_dropped - D), per block of 64 query rows; also writes D for
-// dkdv_kernel (float32: rowsum(dO * O); 16-bit: sum_j P_dropped dP, one more pass over the keys).
+// dQ = scale * dS K with dS = P * (dP_dropped - D), per block of 64 query rows; also writes D =
+// sum_j P_dropped dP for dkdv_kernel (one more pass over the keys, as the CPU kernel does).
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) dq_kernel(Params p) {
   constexpr int N = stream_rows<D>(), LD = D + 1, LT = N + 1, RI = kRows / 16, CJ = N / 16, DJ = D / 16;
@@ -316,15 +317,10 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(Params p) {
   for (int i = 0; i < RI; ++i) {
     const int64_t r = q0 + ty + 16 * i;
     lse[i] = r < s.length ? p.lse[lse_index(p.batch, s, h, r)] : kInf;
-    float acc = 0.f;
-    if (sizeof(T) == sizeof(float) && r < s.length) {
-      const T* o = row_ptr<T>(p.out, s, h, r);
-      for (int c = tx; c < d; c += 16) acc = fmaf(to_float(o[c]), sG[(ty + 16 * i) * LD + c], acc);
-    }
-    delta[i] = acc;
+    delta[i] = 0.f;
   }
   float pr[RI][CJ], dp[RI][CJ];
-  if (sizeof(T) < sizeof(float) && !keys.single) {
+  if (!keys.single) {
     for (int64_t kb = 0; kb < keys.visit; kb += N) {
       probs_and_grads<T, D>(p, s, h, kb, keys.visit, sQ, sG, sKV, sBias, lse, pr, dp);
 #pragma unroll
