@@ -53,7 +53,7 @@ def main():
                     fn()
                     times[key].append(time.perf_counter() - t)
             a, b = (statistics.median(times[k]) * 1e3 for k in ("ours", "theirs"))
-            print(f"| {name} | {str(dtype).replace('torch.', '')} | {a:.2f} | {b:.2f} | {b / a:.2f}x |", flush=True)
+            print(f"| {name} | {str(dtype).replace('torch.', '')} | {a:.3g} | {b:.3g} | {b / a:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

@@ -150,3 +150,27 @@ def test_forced_backend_with_unsupported_head_dim_raises_before_compute():
         with fastbert.use_backend("triton", op="attention"):
             ops.attention(q, q, q)
     assert calls == []
+
+
+def test_entry_skips_the_custom_op_only_where_nothing_needs_it():
+    """Eager calls with nothing to differentiate run the function under the custom op (~20 us a call
+    less); autograd, tensor subclasses and torch.compile get the custom op itself."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    @dispatch.custom_op("fastbert_test::double")
+    def double(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @double.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    x, w = torch.randn(3), torch.nn.Parameter(torch.randn(3))
+    assert dispatch.entry(double, x, w) is double  # w requires grad: autograd must see the op
+    with torch.no_grad():
+        assert dispatch.entry(double, x, w) is double.direct
+    with torch.inference_mode():
+        assert dispatch.entry(double, x, None) is double.direct
+    with FakeTensorMode() as mode, torch.no_grad():
+        assert dispatch.entry(double, mode.from_tensor(x)) is double
+    torch.testing.assert_close(double.direct(x), double(x), rtol=0, atol=0)

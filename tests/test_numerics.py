@@ -195,6 +195,23 @@ def test_add_layer_norm_constant_row(dtype, n, constant):
         assert_close(out[row], bias.double(), dtype, "elementwise", name=f"constant row {row} (expected bias)")
 
 
+@pytest.mark.parametrize("n", [7, 40, 768, 4096])
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_add_layer_norm_offset_rows(dtype, n):
+    """Rows where a one-pass variance (E[d^2] - E[d]^2) would cancel: a common offset 1e3 times the
+    spread, and rows whose first 32 elements (around whose mean the cpu kernel takes its sums) sit far
+    from the rest, which sends the kernel down its corrected second pass (without it, the mean of such
+    a row is off by 1e-6 of its spread: inside the table, 4x plain PyTorch's error)."""
+    x = torch.randn(4, n)
+    x[0] += 1e3  # offset: spread 1, mean 1000
+    x[1, :32] += 1e3  # the first block far above the rest
+    x[2, :32] -= 50.0
+    x[3, 32:] += 1e3  # the rest far above the first block
+    residual = 0.1 * torch.randn(4, n)
+    out, _ = compare("add_layer_norm", reference.add_layer_norm, ln_args(x, residual, dtype, n), "elementwise")
+    assert bool(torch.isfinite(out).all())
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 def test_add_layer_norm_single_feature(dtype):
     """A LayerNorm over one feature: the output is bias whatever x is, so the gradients of x, residual and

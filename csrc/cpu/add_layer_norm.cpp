@@ -6,6 +6,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <utility>
+
 #include "dropout.h"
 #include "vec.h"
 
@@ -32,61 +34,83 @@ inline void load_x(const T* x, const float* mult, int64_t m, VecF& a, VecF& b) {
   }
 }
 
+// Lanes [m, kBlock) of (a, b) set to zero: past a row's end they would add -shift or -mean.
+inline void zero_past(int64_t m, VecF& a, VecF& b) {
+  if (m < kBlock) {
+    a = VecF::set(VecF(0.f), a, std::min(m, kHalf));
+    b = VecF::set(VecF(0.f), b, std::max<int64_t>(m - kHalf, 0));
+  }
+}
+
+// One pass for the statistics, one for the output; x and residual are re-read (from L1) rather than h
+// being stored, and weight and bias are converted once per thread. The sums are taken around `shift`,
+// about the mean of the row's first block: within ~std/sqrt(32) of the true mean, so
+// var = E[d^2] - E[d]^2 loses almost nothing to cancellation. Where a row is adversarial (E[d]^2 more
+// than half of E[d^2]) the variance is recomputed around the mean, as a two-pass LayerNorm does.
 template <typename T>
 void forward(const T* x, const T* res, const T* w, const T* b, T* y, float* mean_out, float* rstd_out,
              int64_t rows, int64_t n, float eps, const Dropout& dropout) {
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    // h = dropout(x) + residual is formed once per row in fp32 (it stays in L1 for the next two
-    // passes); weight and bias once per thread.
-    std::vector<float> mult, h(n), wf(n), bf(n);
+    std::vector<float> mult, wf(n), bf(n);  // weight and bias as float once per thread
     to_float(w, wf.data(), n);
     to_float(b, bf.data(), n);
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * n;
       const T* rr = res + r * n;
       const float* mr = row_multipliers(dropout, r, n, mult) ? mult.data() : nullptr;
-      // The mean is taken relative to the row's first element, so a constant row's mean (and a zero
-      // variance) come out exact instead of one rounding off, which rstd would magnify.
-      const float shift = static_cast<float>(xr[0]) * (mr ? mr[0] : 1.f) + static_cast<float>(rr[0]);
-      VecF acc0(0.f), acc1(0.f);  // two chains: a single one would wait on each add's latency
-      for_blocks(n, [&](int64_t j, int64_t m) {
-        VecF x0, x1, r0, r1;
-        load_x(xr + j, mr ? mr + j : nullptr, m, x0, x1);
+      auto h_at = [&](int64_t j, int64_t m, VecF& h0, VecF& h1) {  // dropout(x) + residual, fp32
+        VecF r0, r1;
+        load_x(xr + j, mr ? mr + j : nullptr, m, h0, h1);
         load2(rr + j, m, r0, r1);
-        const VecF h0 = x0 + r0, h1 = x1 + r1;
-        store2(h.data() + j, m, h0, h1);
-        VecF d0 = h0 - VecF(shift), d1 = h1 - VecF(shift);
-        if (m < kBlock) {  // lanes past m would contribute -shift
-          d0 = VecF::set(VecF(0.f), d0, std::min(m, kHalf));
-          d1 = VecF::set(VecF(0.f), d1, std::max<int64_t>(m - kHalf, 0));
-        }
-        acc0 = acc0 + d0;
-        acc1 = acc1 + d1;
-      });
-      const float mean = shift + reduce_sum(acc0 + acc1) / n;
-      VecF sq0(0.f), sq1(0.f);
-      const VecF vmean(mean);
-      for_blocks(n, [&](int64_t j, int64_t m) {
-        VecF h0, h1;
-        load2(h.data() + j, m, h0, h1);
-        VecF d0 = h0 - vmean, d1 = h1 - vmean;
-        if (m < kBlock) {  // zero lanes past m, which would contribute mean^2
-          d0 = VecF::set(VecF(0.f), d0, std::min(m, kHalf));
-          d1 = VecF::set(VecF(0.f), d1, std::max<int64_t>(m - kHalf, 0));
-        }
-        sq0 = at::vec::fmadd(d0, d0, sq0);
-        sq1 = at::vec::fmadd(d1, d1, sq1);
-      });
-      const float var = reduce_sum(sq0 + sq1) / n;
-      const float rstd = 1.f / std::sqrt(var + eps);
+        h0 = h0 + r0;
+        h1 = h1 + r1;
+      };
+      // The shift: h[0] plus the mean deviation from it over the first block. Taken relative to h[0], a
+      // constant row's shift (and so its mean) is that constant exactly and its variance exactly zero.
+      const int64_t first = std::min(n, kBlock);
+      VecF f0, f1;
+      h_at(0, first, f0, f1);
+      const float first_h = static_cast<float>(xr[0]) * (mr ? mr[0] : 1.f) + static_cast<float>(rr[0]);
+      f0 = f0 - VecF(first_h);
+      f1 = f1 - VecF(first_h);
+      zero_past(first, f0, f1);
+      const float shift = first_h + reduce_sum(f0 + f1) / first;
+      // (sum of d, sum of d^2) over the row, d = h - c; two chains each: one would wait on every add.
+      auto sums_around = [&](float c) {
+        const VecF vc(c);
+        VecF s0(0.f), s1(0.f), q0(0.f), q1(0.f);
+        for_blocks(n, [&](int64_t j, int64_t m) {
+          VecF h0, h1;
+          h_at(j, m, h0, h1);
+          VecF d0 = h0 - vc, d1 = h1 - vc;
+          zero_past(m, d0, d1);
+          s0 = s0 + d0;
+          s1 = s1 + d1;
+          q0 = at::vec::fmadd(d0, d0, q0);
+          q1 = at::vec::fmadd(d1, d1, q1);
+        });
+        return std::make_pair(reduce_sum(s0 + s1) / n, reduce_sum(q0 + q1) / n);
+      };
+      const auto [mean_d, mean_d2] = sums_around(shift);
+      float mean = shift + mean_d;
+      float var = mean_d2 - mean_d * mean_d;
+      if (mean_d * mean_d > 0.5f * mean_d2) {
+        // The first block was far from the mean: d was large where h was not, and the sums lost bits.
+        // Take them again around the mean (the corrected two-pass algorithm: the mean gets the residual
+        // mean of the deviations, the variance loses its square).
+        const auto [correction, around_mean] = sums_around(mean);
+        mean += correction;
+        var = around_mean - correction * correction;
+      }
+      const float rstd = 1.f / std::sqrt(std::max(var, 0.f) + eps);
       mean_out[r] = mean;
       rstd_out[r] = rstd;
-      const VecF vrstd(rstd);
+      const VecF vmean(mean), vrstd(rstd);
       T* yr = y + r * n;
       for_blocks(n, [&](int64_t j, int64_t m) {
         VecF h0, h1, w0, w1, b0, b1;
-        load2(h.data() + j, m, h0, h1);
+        h_at(j, m, h0, h1);
         load2(wf.data() + j, m, w0, w1);
         load2(bf.data() + j, m, b0, b1);
         store2(yr + j, m, at::vec::fmadd((h0 - vmean) * vrstd, w0, b0), at::vec::fmadd((h1 - vmean) * vrstd, w1, b1));

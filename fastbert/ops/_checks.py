@@ -16,13 +16,15 @@ def tensor(name: str, t, ndims: tuple[int, ...], floating: bool = True) -> torch
 
 
 def same_dtype_device(**tensors) -> None:
-    named = [(n, t) for n, t in tensors.items() if t is not None]
-    first_name, first = named[0]
-    for name, t in named[1:]:
-        if t.device != first.device:
-            raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}")
-        if t.is_floating_point() and t.dtype != first.dtype:
-            raise ValueError(f"{name} has dtype {t.dtype} but {first_name} has dtype {first.dtype}")
+    first_name, first = next(iter(tensors.items()))
+    device, dtype = first.device, first.dtype
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but {first_name} is on {device}")
+        if t.dtype != dtype and t.is_floating_point():
+            raise ValueError(f"{name} has dtype {t.dtype} but {first_name} has dtype {dtype}")
 
 
 def same_device(name: str, t, other_name: str, other) -> None:
@@ -31,7 +33,7 @@ def same_device(name: str, t, other_name: str, other) -> None:
 
 
 def shape(name: str, t, expected: tuple[int, ...], what: str) -> None:
-    if tuple(t.shape) != tuple(expected):
+    if t.shape != expected:  # torch.Size equals the tuple of its sizes
         raise ValueError(f"{name} must have shape {tuple(expected)} ({what}), got {tuple(t.shape)}")
 
 

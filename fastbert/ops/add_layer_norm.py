@@ -18,7 +18,7 @@ def add_layer_norm(x, residual, weight, bias, eps: float, dropout_p: float = 0.0
     _checks.tensor("weight", weight, (1,))
     _checks.tensor("bias", bias, (1,))
     _checks.same_dtype_device(x=x, residual=residual, weight=weight, bias=bias)
-    _checks.shape("residual", residual, tuple(x.shape), "the shape of x")
+    _checks.shape("residual", residual, x.shape, "the shape of x")
     _checks.shape("weight", weight, (x.shape[-1],), "x's last dimension")
     _checks.shape("bias", bias, (x.shape[-1],), "x's last dimension")
     if not eps > 0:
@@ -40,7 +40,7 @@ dispatch.register("add_layer_norm", "reference", dispatch.Support(("cpu", "cuda"
 
 # Dropout happens inside the kernel: keep decisions are hashed from `seed` (a tensor drawn from
 # torch's generator, so torch.manual_seed reproduces it), and backward regenerates them.
-@torch.library.custom_op("fastbert::add_layer_norm_cpu", mutates_args=())
+@dispatch.custom_op("fastbert::add_layer_norm_cpu")
 def _cpu_forward(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
                  dropout_p: float, seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     x, residual = x.contiguous(), residual.contiguous()
@@ -100,15 +100,14 @@ _cpu_forward.register_autograd(_cpu_autograd, setup_context=_cpu_setup_context)
 
 @dispatch.register("add_layer_norm", "cpu", dispatch.Support(("cpu",), (torch.float32, torch.bfloat16)))
 def _cpu(x, residual, weight, bias, eps, dropout_p):
-    return _cpu_forward(x, residual, weight, bias, eps, dropout_p, dropout_seed(dropout_p))[0]
+    forward = dispatch.entry(_cpu_forward, x, residual, weight, bias)
+    return forward(x, residual, weight, bias, eps, dropout_p, dropout_seed(dropout_p))[0]
 
 
-@dispatch.register("add_layer_norm", "cuda",
-                   dispatch.Support(("cuda",), (torch.float16, torch.bfloat16, torch.float32), dropout=True))
-def _cuda(x, residual, weight, bias, eps, dropout_p):
-    # The seed stays on the CPU (drawn from torch's CPU generator, so torch.manual_seed reproduces the
-    # mask): reading it into the kernel's arguments never waits for the GPU. Last dimension <= 8192.
-    return _cpu_forward(x, residual, weight, bias, eps, dropout_p, dropout_seed(dropout_p))[0]
+# On CUDA the seed stays on the CPU (drawn from torch's CPU generator, so torch.manual_seed reproduces
+# the mask): reading it into the kernel's arguments never waits for the GPU. Last dimension <= 8192.
+dispatch.register("add_layer_norm", "cuda",
+                  dispatch.Support(("cuda",), (torch.float16, torch.bfloat16, torch.float32), dropout=True))(_cpu)
 
 
 # ------------------------------------------------------------------------------------------- triton
@@ -119,7 +118,7 @@ def _cuda(x, residual, weight, bias, eps, dropout_p):
 # regenerates that mask from the same seed, so only the seed (int64 [1]) is saved, never a mask.
 
 
-@torch.library.custom_op("fastbert::add_layer_norm_triton", mutates_args=())
+@dispatch.custom_op("fastbert::add_layer_norm_triton")
 def _triton_forward(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
                     dropout_p: float, seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from fastbert.kernels import add_layer_norm as kernel
@@ -177,4 +176,5 @@ _triton_forward.register_autograd(_triton_autograd, setup_context=_triton_setup_
 @dispatch.register("add_layer_norm", "triton",
                    dispatch.Support(("cuda", "cpu"), (torch.float16, torch.bfloat16, torch.float32), dropout=True))
 def _triton(x, residual, weight, bias, eps, dropout_p):
-    return _triton_forward(x, residual, weight, bias, eps, dropout_p, dropout_seed(dropout_p, x.device))[0]
+    forward = dispatch.entry(_triton_forward, x, residual, weight, bias)
+    return forward(x, residual, weight, bias, eps, dropout_p, dropout_seed(dropout_p, x.device))[0]

@@ -89,7 +89,7 @@ def _lse_shape(q: torch.Tensor) -> tuple[int, ...]:
 
 # The dropout seed travels as a tensor (drawn from torch's generator, so torch.manual_seed reproduces
 # it) and the kernel hashes keep decisions from it: backward regenerates the mask, nothing else is saved.
-@torch.library.custom_op("fastbert::attention_cpu", mutates_args=())
+@dispatch.custom_op("fastbert::attention_cpu")
 def _cpu_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
                  cu_seqlens: torch.Tensor | None, scale: float, dropout_p: float,
                  seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,13 +144,15 @@ _CPU_SUPPORT = dispatch.Support(("cpu",), (torch.float32, torch.bfloat16))
 def _cpu(q, k, v, attention_mask, dropout_p, scale, need_weights):
     key_mask = None if attention_mask is None else attention_mask.bool().contiguous()
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _cpu_forward(q, k, v, key_mask, None, scale, dropout_p, dropout_seed(dropout_p))[0]
+    forward = dispatch.entry(_cpu_forward, q, k, v)
+    return forward(q, k, v, key_mask, None, scale, dropout_p, dropout_seed(dropout_p))[0]
 
 
 @dispatch.register("varlen_attention", "cpu", _CPU_SUPPORT)
 def _cpu_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale):
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _cpu_forward(q, k, v, None, cu_seqlens, scale, dropout_p, dropout_seed(dropout_p))[0]
+    forward = dispatch.entry(_cpu_forward, q, k, v)
+    return forward(q, k, v, None, cu_seqlens, scale, dropout_p, dropout_seed(dropout_p))[0]
 
 
 # ------------------------------------------------------------------------------------------ triton
@@ -163,7 +165,7 @@ def _key_bytes(key_mask: torch.Tensor | None) -> torch.Tensor | None:
     return None if key_mask is None else key_mask.view(torch.uint8)  # a bool [B, S] read as bytes, no copy
 
 
-@torch.library.custom_op("fastbert::attention_triton", mutates_args=())
+@dispatch.custom_op("fastbert::attention_triton")
 def _triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
                     cu_seqlens: torch.Tensor | None, max_seqlen: int, scale: float, dropout_p: float,
                     seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,13 +233,15 @@ _TRITON_SUPPORT = dispatch.Support(("cuda", "cpu"), (torch.float16, torch.bfloat
 def _triton(q, k, v, attention_mask, dropout_p, scale, need_weights):
     key_mask = None if attention_mask is None else attention_mask.bool()
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _triton_forward(q, k, v, key_mask, None, q.shape[2], scale, dropout_p, dropout_seed(dropout_p, q.device))[0]
+    forward = dispatch.entry(_triton_forward, q, k, v)
+    return forward(q, k, v, key_mask, None, q.shape[2], scale, dropout_p, dropout_seed(dropout_p, q.device))[0]
 
 
 @dispatch.register("varlen_attention", "triton", _TRITON_SUPPORT, _head_dim_reasons)
 def _triton_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale):
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _triton_forward(q, k, v, None, cu_seqlens, max_seqlen, scale, dropout_p, dropout_seed(dropout_p, q.device))[0]
+    forward = dispatch.entry(_triton_forward, q, k, v)
+    return forward(q, k, v, None, cu_seqlens, max_seqlen, scale, dropout_p, dropout_seed(dropout_p, q.device))[0]
 
 
 # -------------------------------------------------------------------------------------------- cuda

@@ -29,7 +29,7 @@ dispatch.register("bias_gelu", "reference", dispatch.Support(("cpu", "cuda"), di
 # tensors' device to csrc/cpu (CPU) or csrc/cuda/bindings.cpp (CUDA; only in a CUDA build of _C).
 
 
-@torch.library.custom_op("fastbert::bias_gelu_cpu", mutates_args=())
+@dispatch.custom_op("fastbert::bias_gelu_cpu")
 def _cpu_forward(x: torch.Tensor, bias: torch.Tensor, tanh: bool) -> torch.Tensor:
     x = x.contiguous()
     out = dispatch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -75,13 +75,11 @@ _cpu_forward.register_autograd(_cpu_autograd, setup_context=_cpu_setup_context)
 
 @dispatch.register("bias_gelu", "cpu", dispatch.Support(("cpu",), (torch.float32, torch.bfloat16)))
 def _cpu(x, bias, approximate):
-    return _cpu_forward(x, bias, approximate == "tanh")
+    return dispatch.entry(_cpu_forward, x, bias)(x, bias, approximate == "tanh")
 
 
-@dispatch.register("bias_gelu", "cuda",
-                   dispatch.Support(("cuda",), (torch.float16, torch.bfloat16, torch.float32), dropout=True))
-def _cuda(x, bias, approximate):
-    return _cpu_forward(x, bias, approximate == "tanh")
+dispatch.register("bias_gelu", "cuda",
+                  dispatch.Support(("cuda",), (torch.float16, torch.bfloat16, torch.float32), dropout=True))(_cpu)
 
 
 # ------------------------------------------------------------------------------------------- triton
@@ -90,7 +88,7 @@ def _cuda(x, bias, approximate):
 # autograd, opcheck and torch.compile(fullgraph=True) all work, under the interpreter too.
 
 
-@torch.library.custom_op("fastbert::bias_gelu_triton", mutates_args=())
+@dispatch.custom_op("fastbert::bias_gelu_triton")
 def _triton_forward(x: torch.Tensor, bias: torch.Tensor, tanh: bool) -> torch.Tensor:
     from fastbert.kernels import bias_gelu as kernel
 
@@ -134,4 +132,4 @@ _triton_forward.register_autograd(_triton_autograd, setup_context=_triton_setup_
 @dispatch.register("bias_gelu", "triton",
                    dispatch.Support(("cuda", "cpu"), (torch.float16, torch.bfloat16, torch.float32)))
 def _triton(x, bias, approximate):
-    return _triton_forward(x, bias, approximate == "tanh")
+    return dispatch.entry(_triton_forward, x, bias)(x, bias, approximate == "tanh")

@@ -30,7 +30,7 @@ dispatch.register("dense", "reference", dispatch.Support(("cpu", "cuda"), dispat
 # ------------------------------------------------------------------------------ cpu (oneDNN GEMM)
 
 
-@torch.library.custom_op("fastbert::dense_cpu", mutates_args=())
+@dispatch.custom_op("fastbert::dense_cpu")
 def _cpu_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
     y = _onednn.linear(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias, activation)
     return y.view(*x.shape[:-1], weight.shape[0])
@@ -69,24 +69,20 @@ def linear_backward(grad, x, weight, bias):
 _cpu_forward.register_autograd(_cpu_autograd, setup_context=_cpu_setup_context)
 
 
-def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
 @dispatch.register("dense", "cpu", dispatch.Support(("cpu",), (torch.float32, torch.bfloat16)),
                    extra_reasons=lambda facts: _onednn.missing())
 def _cpu(x, weight, bias, activation):
-    if activation != "none" and bias is not None and _needs_grad(x, weight, bias):
+    if activation != "none" and bias is not None and dispatch.needs_grad(x, weight, bias):
         # Keep the pre-activation for backward: GEMM, then the bias_gelu kernel (saves x + bias's input).
         z = _cpu_forward(x, weight, None, "none")
         return torch.ops.fastbert.bias_gelu_cpu(z, bias, activation == "gelu_tanh")
-    return _cpu_forward(x, weight, bias, activation)
+    return dispatch.entry(_cpu_forward, x, weight, bias)(x, weight, bias, activation)
 
 
 # ------------------------------------------------------------------------ triton (GEMM + epilogue)
 
 
-@torch.library.custom_op("fastbert::dense_triton", mutates_args=())
+@dispatch.custom_op("fastbert::dense_triton")
 def _triton_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
     from fastbert.kernels import dense as kernel
 
@@ -126,4 +122,4 @@ _TRITON_SUPPORT = dispatch.Support(("cuda", "cpu"), (torch.float16, torch.bfloat
 
 @dispatch.register("dense", "triton", _TRITON_SUPPORT)
 def _triton(x, weight, bias, activation):
-    return _triton_forward(x, weight, bias, activation)
+    return dispatch.entry(_triton_forward, x, weight, bias)(x, weight, bias, activation)

@@ -5,7 +5,7 @@ import torch
 
 from fastbert import dispatch
 from fastbert.ops import _checks, _onednn, reference
-from fastbert.ops.dense import linear_backward  # importing it registers fastbert::dense_cpu
+from fastbert.ops.dense import _cpu_forward as _dense_cpu, linear_backward
 
 
 @dispatch.follows_autocast
@@ -36,7 +36,7 @@ dispatch.register("qkv_projection", "reference", dispatch.Support(("cpu", "cuda"
 @dispatch.register("qkv_projection", "cpu", dispatch.Support(("cpu",), (torch.float32, torch.bfloat16)),
                    extra_reasons=lambda facts: _onednn.missing())
 def _cpu(x, weight, bias, num_heads):
-    qkv = torch.ops.fastbert.dense_cpu(x, weight, bias, "none")  # [..., 3H], one GEMM
+    qkv = dispatch.entry(_dense_cpu, x, weight, bias)(x, weight, bias, "none")  # [..., 3H], one GEMM
     head_dim = x.shape[-1] // num_heads
     if x.dim() == 3:
         b, s, _ = x.shape
@@ -48,7 +48,7 @@ def _cpu(x, weight, bias, num_heads):
 # ------------------------------------------------------------------------ triton (GEMM + epilogue)
 
 
-@torch.library.custom_op("fastbert::qkv_projection_triton", mutates_args=())
+@dispatch.custom_op("fastbert::qkv_projection_triton")
 def _triton_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int) -> torch.Tensor:
     """One GEMM writing q, k, v head-major: [3, B, heads, S, d] (or [3, T, heads, d] for [T, H] input)."""
     from fastbert.kernels import dense as kernel
@@ -91,4 +91,4 @@ _triton_forward.register_autograd(_triton_autograd, setup_context=_triton_setup_
 
 @dispatch.register("qkv_projection", "triton", dispatch.Support(("cuda", "cpu"), (torch.float16, torch.bfloat16, torch.float32)))
 def _triton(x, weight, bias, num_heads):
-    return _triton_forward(x, weight, bias, num_heads).unbind(0)
+    return dispatch.entry(_triton_forward, x, weight, bias)(x, weight, bias, num_heads).unbind(0)
