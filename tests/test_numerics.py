@@ -123,6 +123,29 @@ def test_varlen_attention_huge_scores(dtype):
     assert bool(torch.isfinite(out).all())
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_attention_across_key_blocks(dtype):
+    """Sequences longer than the cpu kernel's key block (512): the online softmax rescales across
+    blocks, a row's first block can be all padding (its running max stays -inf until a later block),
+    and the last block can be partly or wholly padding. Forward and backward."""
+    b, h, s, d = 3, 2, 1100, 32
+    q, k, v = (torch.randn(b, h, s, d) for _ in range(3))
+    mask = torch.ones(b, s, dtype=torch.bool)
+    mask[0, :600] = False  # nothing kept in the first key block
+    mask[0, 600:] = torch.rand(s - 600) < 0.5
+    mask[1, 1030:] = False  # trailing padding inside the third block
+    mask[2, 512:] = False  # exactly one block kept
+    out, _ = compare("attention", reference.attention, [leaf(q, dtype), leaf(k, dtype), leaf(v, dtype)], "matmul",
+                     {"attention_mask": mask})
+    assert bool(torch.isfinite(out).all())
+    lengths = [1100, 3, 513]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    t = sum(lengths)
+    q, k, v = (torch.randn(t, h, d) for _ in range(3))
+    compare("varlen_attention", reference.varlen_attention,
+            [leaf(q, dtype), leaf(k, dtype), leaf(v, dtype), cu, max(lengths)], "matmul")
+
+
 # ------------------------------------------------------------------------------ bias_gelu
 
 

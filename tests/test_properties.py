@@ -2,8 +2,8 @@
 reference, forward and every gradient, on shapes, paddings and dtypes hypothesis picks.
 
 The parity grid (test_ops_parity.py) pins hand-picked shapes; here hypothesis draws them: odd hidden
-sizes, sequences of 1 to 300 tokens, padding patterns down to a single kept key and rows with no kept
-key at all (which must give zeros). Truth is the reference on float64 copies; the kernel must stay
+sizes, sequences of 1 to 300 tokens (attention also 500 to 1100), padding patterns down to a single
+kept key and rows with no kept key at all (which must give zeros). Truth is the reference on float64 copies; the kernel must stay
 within the tolerance table and within 2x the same-dtype reference. Outputs are poisoned before the
 kernel runs, and each example asserts that the backend under test ran, forward and backward.
 
@@ -101,7 +101,8 @@ def qkv_projection_params(draw, small=False):
 
 @st.composite
 def attention_params(draw, small=False):
-    seq = draw(st.integers(1, 16 if small else 300))
+    # Past 512 the cpu kernel walks several key blocks (online-softmax rescaling between them).
+    seq = draw(st.integers(1, 16) if small else st.one_of(st.integers(1, 300), st.integers(500, 1100)))
     rows = 2 if small else max(1, 600 // seq)  # batch x heads x seq stays <= 600 tokens x heads
     batch = draw(st.integers(1, min(3, rows)))
     heads = draw(st.integers(1, max(1, min(3, rows // batch))))

@@ -1,7 +1,9 @@
 // Flash-style attention on CPU, forward and backward, for padded batches ([B, heads, S, d] with a
 // key-padding mask) and packed varlen batches ([T, heads, d] with cu_seqlens).
 //
-// One task per (sequence, head), spread over threads. A task reads its q, k, v rows in place (any
+// One task per (sequence, head), spread over threads in contiguous chunks; tasks run head by head, so
+// each thread gets its share of every sequence (sequence by sequence, a thread could get only the long
+// ones: 2x512 with 237 and 432 kept keys ran 1.2x slower). A task reads its q, k, v rows in place (any
 // row strides; bfloat16 is converted to fp32 first), then walks query blocks x key blocks: scores by
 // GEMM (torch's BLAS, or a register-blocked micro-kernel), online softmax in fp32, P @ V accumulated
 // in fp32. Trailing padding keys are skipped, not computed and masked. logsumexp is saved
@@ -28,7 +30,9 @@ namespace fastbert {
 namespace {
 
 constexpr int64_t kBlockQ = 128;
-constexpr int64_t kBlockK = 128;
+// Key blocks of 512: fewer and larger BLAS calls, fewer online-softmax rescales (2x512 padded fp32
+// forward 8.95 -> 7.65 ms against 128), and the S tile (128 x 512 fp32, 256 KB) still fits in L2.
+constexpr int64_t kBlockK = 512;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 
@@ -244,7 +248,7 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
     std::vector<float> qbuf, kbuf, vbuf, scratch, O(kBlockQ * d), S(kBlockQ * kBlockK), bias(b.max_length),
         row_max(kBlockQ), row_sum(kBlockQ);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t i = task / b.heads, h = task % b.heads, L = b.length[i], s0 = b.start[i];
+      const int64_t i = task % b.sequences, h = task / b.sequences, L = b.length[i], s0 = b.start[i];
       if (L == 0) continue;
       const int64_t keys = key_bias(b, i, L, bias.data());
       const Rows<T> Q(qp + lq.at(i, s0, h, 0), lq.row, L, d, qbuf);
@@ -318,7 +322,7 @@ void backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, 
         dK(kBlockK * d), dV(kBlockK * d), P(kBlockK * kBlockQ), dP(kBlockK * kBlockQ),
         kept(dropout.on() ? kBlockK * kBlockQ : 0), zeros(d, 0.f);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t i = task / b.heads, h = task % b.heads, L = b.length[i], s0 = b.start[i];
+      const int64_t i = task % b.sequences, h = task / b.sequences, L = b.length[i], s0 = b.start[i];
       if (L == 0) continue;
       const int64_t keys = key_bias(b, i, L, bias.data());
       const bool single_key = std::count(bias.begin(), bias.begin() + keys, 0.f) == 1;
