@@ -358,8 +358,8 @@ def follows_autocast(public_op):
 
     @functools.wraps(public_op)
     def wrapper(*args, **kwargs):
-        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        device = tensors[0].device.type if tensors else None
+        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        device = first.device.type if first is not None else None
         if device is None or not torch.is_autocast_enabled(device):
             return public_op(*args, **kwargs)
         dtype = torch.get_autocast_dtype(device)
@@ -423,6 +423,8 @@ def poison_outputs():
 
 
 def empty(*shape, dtype: torch.dtype, device) -> torch.Tensor:
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list)) and shape[0]:
+        shape = shape[0]  # torch.empty(*sizes) parses ~1 us faster than torch.empty(torch.Size)
     out = torch.empty(*shape, dtype=dtype, device=device)
     if getattr(_poison, "on", False) and out.is_floating_point():
         out.fill_(float("nan"))
