@@ -372,9 +372,9 @@ def follows_autocast(public_op):
 
 # --------------------------------------------------------------------------------------------------
 # Kernel entry points. A compiled kernel is a torch.library custom op, which torch.compile treats as
-# opaque and autograd differentiates. The wrapper costs ~5.5 us a call on this project's CPU machines
-# (more than the kernel of a one-sequence add_layer_norm). Where neither is involved (eager, nothing
-# to differentiate, plain tensors) the backend calls the function under it directly.
+# opaque and autograd differentiates. The wrapper costs ~5.5 us a call on this project's CPU machines,
+# and a BERT-base forward makes ~70 such calls. Where neither is involved (eager, nothing to
+# differentiate, plain tensors) the backend calls the function under it directly.
 
 
 def custom_op(name: str):
