@@ -373,7 +373,7 @@ def follows_autocast(public_op):
 # --------------------------------------------------------------------------------------------------
 # Kernel entry points. A compiled kernel is a torch.library custom op, which torch.compile treats as
 # opaque and autograd differentiates. The wrapper costs ~5.5 us a call on this project's CPU machines,
-# and a BERT-base forward makes ~70 such calls. Where neither is involved (eager, nothing to
+# and a BERT-base forward makes ~85 such calls. Where neither is involved (eager, nothing to
 # differentiate, plain tensors) the backend calls the function under it directly.
 
 
