@@ -397,8 +397,12 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 def entry(op, *tensors):
     """`op.direct` where the custom op would do nothing but cost time, else `op` itself: under
-    torch.compile, where autograd records the call, and for tensor subclasses (fake, functional)."""
+    torch.compile, where autograd records the call, inside torch.func transforms (vmap's wrapped
+    tensors look like plain ones, and out= kernels have no batching rule) and for tensor subclasses
+    (fake, functional)."""
     if torch.compiler.is_compiling() or needs_grad(*tensors):
+        return op
+    if torch._C._functorch.peek_interpreter_stack() is not None:  # no public API for "in a transform"
         return op
     if any(t is not None and type(t) not in _PLAIN for t in tensors):
         return op

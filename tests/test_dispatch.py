@@ -152,25 +152,42 @@ def test_forced_backend_with_unsupported_head_dim_raises_before_compute():
     assert calls == []
 
 
+@dispatch.custom_op("fastbert_test::double")
+def _double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_double.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
 def test_entry_skips_the_custom_op_only_where_nothing_needs_it():
     """Eager calls with nothing to differentiate run the function under the custom op (~5.5 us a call
-    less); autograd, tensor subclasses and torch.compile get the custom op itself."""
+    less); autograd, torch.func transforms, tensor subclasses and torch.compile get the custom op."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    @dispatch.custom_op("fastbert_test::double")
-    def double(x: torch.Tensor) -> torch.Tensor:
-        return x * 2
-
-    @double.register_fake
-    def _(x):
-        return torch.empty_like(x)
-
     x, w = torch.randn(3), torch.nn.Parameter(torch.randn(3))
-    assert dispatch.entry(double, x, w) is double  # w requires grad: autograd must see the op
+    assert dispatch.entry(_double, x, w) is _double  # w requires grad: autograd must see the op
     with torch.no_grad():
-        assert dispatch.entry(double, x, w) is double.direct
+        assert dispatch.entry(_double, x, w) is _double.direct
     with torch.inference_mode():
-        assert dispatch.entry(double, x, None) is double.direct
+        assert dispatch.entry(_double, x, None) is _double.direct
     with FakeTensorMode() as mode, torch.no_grad():
-        assert dispatch.entry(double, mode.from_tensor(x)) is double
-    torch.testing.assert_close(double.direct(x), double(x), rtol=0, atol=0)
+        assert dispatch.entry(_double, mode.from_tensor(x)) is _double
+    seen = []
+    torch.func.vmap(lambda row: seen.append(dispatch.entry(_double, row)) or row)(torch.randn(2, 3))
+    assert seen == [_double]
+    torch.testing.assert_close(_double.direct(x), _double(x), rtol=0, atol=0)
+
+
+def test_ops_work_under_vmap():
+    """vmap over the public ops: the cpu kernels write into preallocated outputs, which have no
+    batching rule, so under a transform they must run through their custom op (per-example fallback)."""
+    pytest.importorskip("fastbert._C", reason="the cpu backend is not built")
+    x, r = torch.randn(2, 4, 16), torch.randn(2, 4, 16)
+    w, b = torch.randn(16), torch.randn(16)
+    with fastbert.use_backend("cpu", op="add_layer_norm"), torch.no_grad():
+        batched = torch.func.vmap(lambda a, c: ops.add_layer_norm(a, c, w, b, 1e-5))(x, r)
+        looped = torch.stack([ops.add_layer_norm(x[i], r[i], w, b, 1e-5) for i in range(2)])
+    torch.testing.assert_close(batched, looped, rtol=0, atol=0)

@@ -110,7 +110,7 @@ def qkv_projection_params(draw, small=False):
 def attention_params(draw, small=False):
     # Past 512 the cpu kernel walks several key blocks (online-softmax rescaling between them).
     seq = draw(st.integers(1, 16) if small else st.one_of(st.integers(1, 300), st.integers(500, 1100)))
-    rows = 2 if small else max(1, 600 // seq)  # batch x heads x seq stays <= 600 tokens x heads
+    rows = 2 if small else max(1, 600 // seq)  # batch x heads x seq stays <= max(600, seq)
     batch = draw(st.integers(1, min(3, rows)))
     heads = draw(st.integers(1, max(1, min(3, rows // batch))))
     return dict(batch=batch, heads=heads, seq=seq, head_dim=draw(st.sampled_from((16, 32) if small else (16, 32, 64))),

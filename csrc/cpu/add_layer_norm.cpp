@@ -44,9 +44,11 @@ inline void zero_past(int64_t m, VecF& a, VecF& b) {
 
 // One pass for the statistics, one for the output; x and residual are re-read (from L1) rather than h
 // being stored, and weight and bias are converted once per thread. The sums are taken around `shift`,
-// about the mean of the row's first block: within ~std/sqrt(32) of the true mean, so
-// var = E[d^2] - E[d]^2 loses almost nothing to cancellation. Where a row is adversarial (E[d]^2 more
-// than half of E[d^2]) the variance is recomputed around the mean, as a two-pass LayerNorm does.
+// about the mean of the row's first block (kBlock = 32 elements with AVX-512, 16 with AVX2): for an
+// ordinary row within ~std/sqrt(kBlock) of the true mean, so var = E[d^2] - E[d]^2 loses almost
+// nothing to cancellation. Where E[d]^2 exceeds the variance (it can reach n/kBlock times it: a row
+// whose first block sits far from the rest) the sums are taken again around the mean, as a two-pass
+// LayerNorm does; so E[d^2] is never more than twice the variance it yields.
 template <typename T>
 void forward(const T* x, const T* res, const T* w, const T* b, T* y, float* mean_out, float* rstd_out,
              int64_t rows, int64_t n, float eps, const Dropout& dropout) {

@@ -3,7 +3,7 @@
 //
 // One task per (sequence, head), spread over threads in contiguous chunks; tasks run head by head, so
 // each thread gets its share of every sequence (sequence by sequence, a thread could get only the long
-// ones: 2x512 with 237 and 432 kept keys ran 1.2x slower). A task reads its q, k, v rows in place (any
+// ones: 2x512 with 237 and 432 kept keys ran 1.13x slower). A task reads its q, k, v rows in place (any
 // row strides; bfloat16 is converted to fp32 first), then walks query blocks x key blocks: scores by
 // GEMM (torch's BLAS, or a register-blocked micro-kernel), online softmax in fp32, P @ V accumulated
 // in fp32. Trailing padding keys are skipped, not computed and masked. logsumexp is saved
