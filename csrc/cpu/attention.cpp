@@ -44,16 +44,27 @@ void gemm_rows(int64_t N, int64_t K, const float* A, int64_t lda, const float* B
   for (int64_t j = 0; j < N; j += kBlock) {
     const int64_t m = std::min(kBlock, N - j);
     VecF acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = VecF(0.f);
-    for (int64_t c = 0; c < K; ++c) {
-      VecF b0, b1;
-      load2(B + c * ldb + j, m, b0, b1);
-      for (int r = 0; r < R; ++r) {
-        const VecF a(A[r * lda + c]);
-        acc[r][0] = at::vec::fmadd(a, b0, acc[r][0]);
-        acc[r][1] = at::vec::fmadd(a, b1, acc[r][1]);
+    // The k loop accumulates in the lambda's own locals, with the full-block load chosen once outside
+    // it: written as one loop over `acc`, GCC stored all of acc back to the stack on every step (2x
+    // slower: 55 -> 90-130 GFLOP/s on 2 cores).
+    auto run = [&](auto load) {
+      VecF a0[R], a1[R];
+      for (int r = 0; r < R; ++r) a0[r] = a1[r] = VecF(0.f);
+      for (int64_t c = 0; c < K; ++c) {
+        VecF b0, b1;
+        load(B + c * ldb + j, b0, b1);
+        for (int r = 0; r < R; ++r) {
+          const VecF a(A[r * lda + c]);
+          a0[r] = at::vec::fmadd(a, b0, a0[r]);
+          a1[r] = at::vec::fmadd(a, b1, a1[r]);
+        }
       }
-    }
+      for (int r = 0; r < R; ++r) acc[r][0] = a0[r], acc[r][1] = a1[r];
+    };
+    if (m == kBlock)
+      run([](const float* p, VecF& b0, VecF& b1) { b0 = VecF::loadu(p); b1 = VecF::loadu(p + kHalf); });
+    else
+      run([m](const float* p, VecF& b0, VecF& b1) { load2(p, m, b0, b1); });
     for (int r = 0; r < R; ++r) {
       VecF c0 = acc[r][0] * VecF(alpha), c1 = acc[r][1] * VecF(alpha);
       if (accumulate) {
