@@ -106,10 +106,10 @@ void gemm_nn(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const
 }
 
 
-// Transposed copy: src [rows x cols] (row stride ld) -> dst [cols x rows] contiguous.
+// Transposed copy: src [rows x cols] (row stride ld) -> dst [cols x rows] contiguous (16 x 16 register
+// tiles where the build has AVX-512; a scalar loop elsewhere).
 void transpose(const float* src, int64_t ld, int64_t rows, int64_t cols, float* dst) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * ld + c];
+  at::vec::transpose_mxn<float>(src, ld, dst, rows, static_cast<int>(rows), static_cast<int>(cols));
 }
 
 // C[M x N] = alpha * op(A) op(B) (+ C if accumulate); row-major fp32 with row strides lda, ldb, ldc;
