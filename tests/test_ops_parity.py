@@ -145,11 +145,13 @@ def test_parity(spec, case, backend, dtype):
 ATTENTION_GRID = [(s, c) for s, c in GRID if s.op in ("attention", "varlen_attention")]
 
 
+@pytest.mark.parametrize("blas", ["0", "1"], ids=["micro-kernel", "blas"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("spec,case", ATTENTION_GRID, ids=[f"{s.op}-{c.name}" for s, c in ATTENTION_GRID])
-def test_cpu_attention_without_blas(spec, case, dtype, monkeypatch):
-    """The cpu attention kernel's own micro-GEMM (used where torch has no BLAS sgemm) is right too."""
-    monkeypatch.setenv("FASTBERT_CPU_BLAS", "0")
+def test_cpu_attention_each_gemm(spec, case, dtype, blas, monkeypatch):
+    """The cpu attention kernel forced onto each of its GEMMs, forward and backward: its own micro-kernel
+    (the forward's default with AVX-512, and all of it where torch has no BLAS) and torch's BLAS."""
+    monkeypatch.setenv("FASTBERT_CPU_BLAS", blas)
     test_parity(spec, case, "cpu", dtype)
 
 

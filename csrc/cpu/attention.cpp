@@ -5,7 +5,8 @@
 // each thread gets its share of every sequence (sequence by sequence, a thread could get only the long
 // ones: 2x512 with 237 and 432 kept keys ran 1.13x slower). A task reads its q, k, v rows in place (any
 // row strides; bfloat16 is converted to fp32 first), then walks query blocks x key blocks: scores by
-// GEMM (torch's BLAS, or a register-blocked micro-kernel), online softmax in fp32, P @ V accumulated
+// GEMM (a register-blocked micro-kernel in the forward, torch's BLAS in the backward: see blas_sgemm),
+// online softmax in fp32, P @ V accumulated
 // in fp32. Trailing padding keys are skipped, not computed and masked. logsumexp is saved
 // per row; backward recomputes the probabilities block by block (no S x S matrix is ever stored).
 // A query row with no kept key gets zeros, and logsumexp +inf so backward sees probabilities of 0.
@@ -79,23 +80,34 @@ void gemm_rows(int64_t N, int64_t K, const float* A, int64_t lda, const float* B
 }
 
 // The BLAS sgemm that torch itself links (MKL or OpenBLAS), found at run time so that a torch
-// without one still loads fastbert._C; the micro-kernel above serves then (or FASTBERT_CPU_BLAS=0).
+// without one still loads fastbert._C; the micro-kernel above serves then.
 using sgemm_fn = void (*)(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
                           const int*, const float*, const int*, const float*, float*, const int*);
 
-sgemm_fn blas_sgemm() {
+constexpr bool kForward = true, kBackward = false;
+
+// BLAS, or null for the micro-kernel. FASTBERT_CPU_BLAS=0 / 1 forces one of them everywhere. Otherwise
+// the forward's products go to the micro-kernel where AVX-512 is built: BLAS packs both operands on
+// every call, which at these tile sizes costs more than it saves (forward 1.04-1.19x MKL at BERT
+// shapes); the backward's transposed products stay on BLAS (there the micro-kernel was 0.95-1.02x).
+sgemm_fn blas_sgemm(bool forward) {
   static const sgemm_fn found = [] {
     void* lib = dlopen("libtorch_cpu.so", RTLD_LAZY | RTLD_NOLOAD);
     void* fn = lib ? dlsym(lib, "sgemm_") : nullptr;
     return reinterpret_cast<sgemm_fn>(fn ? fn : dlsym(RTLD_DEFAULT, "sgemm_"));
   }();
   const char* env = std::getenv("FASTBERT_CPU_BLAS");
-  return env && env[0] == '0' ? nullptr : found;
+  if (env != nullptr && (env[0] == '0' || env[0] == '1')) return env[0] == '1' ? found : nullptr;
+#if defined(CPU_CAPABILITY_AVX512)
+  if (forward) return nullptr;
+#endif
+  return found;
 }
 
 void gemm_nn(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
              int64_t ldc, float alpha, bool accumulate) {
   int64_t i = 0;
+  for (; i + 8 <= M; i += 8) gemm_rows<8>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, alpha, accumulate);
   for (; i + 4 <= M; i += 4) gemm_rows<4>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, alpha, accumulate);
   switch (M - i) {
     case 3: gemm_rows<3>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, alpha, accumulate); break;
@@ -113,11 +125,12 @@ void transpose(const float* src, int64_t ld, int64_t rows, int64_t cols, float* 
 }
 
 // C[M x N] = alpha * op(A) op(B) (+ C if accumulate); row-major fp32 with row strides lda, ldb, ldc;
-// op(X) = X^T where the flag says so. BLAS when torch has one; else the micro-kernel on copies.
-void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
-          int64_t ldb, float* C, int64_t ldc, float alpha, bool accumulate, std::vector<float>& scratch) {
+// op(X) = X^T where the flag says so. BLAS or the micro-kernel (on copies), as blas_sgemm says.
+void gemm(bool forward, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
+          const float* B, int64_t ldb, float* C, int64_t ldc, float alpha, bool accumulate,
+          std::vector<float>& scratch) {
   if (M == 0 || N == 0) return;
-  if (const sgemm_fn sgemm = blas_sgemm()) {
+  if (const sgemm_fn sgemm = blas_sgemm(forward)) {
     // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: swap the operands.
     const int m = (int)N, n = (int)M, k = (int)K, la = (int)ldb, lb = (int)lda, lc = (int)ldc;
     const float beta = accumulate ? 1.f : 0.f;
@@ -272,7 +285,7 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
         std::fill(row_sum.begin(), row_sum.end(), 0.f);
         for (int64_t kb = 0; kb < keys; kb += kBlockK) {
           const int64_t nk = std::min(kBlockK, keys - kb);
-          gemm(false, true, nq, nk, d, Q.row(qb), Q.ld, K.row(kb), K.ld, S.data(), nk, scale, false, scratch);
+          gemm(kForward, false, true, nq, nk, d, Q.row(qb), Q.ld, K.row(kb), K.ld, S.data(), nk, scale, false, scratch);
           for (int64_t r = 0; r < nq; ++r) {
             float* s = S.data() + r * nk;
             VecF vmax(-kInf);
@@ -305,7 +318,7 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
             if (dropout.on())  // ... P @ V only the kept ones, scaled by 1 / (1 - p)
               for (int64_t j = 0; j < nk; ++j) s[j] = dropout.keep(i, h, qb + r, kb + j) ? s[j] * dropout.scale() : 0.f;
           }
-          gemm(false, false, nq, d, nk, S.data(), nk, V.row(kb), V.ld, O.data(), d, 1.f, true, scratch);
+          gemm(kForward, false, false, nq, d, nk, S.data(), nk, V.row(kb), V.ld, O.data(), d, 1.f, true, scratch);
         }
         for (int64_t r = 0; r < nq; ++r) {
           const float l = row_sum[r];
@@ -351,8 +364,10 @@ void backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, 
         const int64_t nk = std::min(kBlockK, keys - kb);
         for (int64_t qb = 0; qb < L; qb += kBlockQ) {
           const int64_t nq = std::min(kBlockQ, L - qb);
-          gemm(false, true, nk, nq, d, K.row(kb), K.ld, Q.row(qb), Q.ld, P.data(), nq, scale, false, scratch);
-          gemm(false, true, nk, nq, d, V.row(kb), V.ld, dO.row(qb), dO.ld, dP.data(), nq, 1.f, false, scratch);
+          gemm(kBackward, false, true, nk, nq, d,
+               K.row(kb), K.ld, Q.row(qb), Q.ld, P.data(), nq, scale, false, scratch);
+          gemm(kBackward, false, true, nk, nq, d,
+               V.row(kb), V.ld, dO.row(qb), dO.ld, dP.data(), nq, 1.f, false, scratch);
           for (int64_t j = 0; j < nk; ++j)
             for (int64_t r = 0; r < nq; ++r) {
               float p = std::exp(P[j * nq + r] + bias[kb + j] - LSE[qb + r]);
@@ -369,7 +384,8 @@ void backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, 
         for (int64_t qb = 0; qb < L; qb += kBlockQ) {
           const int64_t nq = std::min(kBlockQ, L - qb);
           // P^T [nk, nq] = exp(K Q^T * scale + bias - lse): -inf bias or +inf lse give 0
-          gemm(false, true, nk, nq, d, K.row(kb), K.ld, Q.row(qb), Q.ld, P.data(), nq, scale, false, scratch);
+          gemm(kBackward, false, true, nk, nq, d,
+               K.row(kb), K.ld, Q.row(qb), Q.ld, P.data(), nq, scale, false, scratch);
           for (int64_t j = 0; j < nk; ++j) {
             float* p = P.data() + j * nq;
             const VecF kbias(bias[kb + j]);
@@ -382,11 +398,13 @@ void backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, 
             for (int64_t j = 0; j < nk; ++j)
               for (int64_t r = 0; r < nq; ++r)
                 kept[j * nq + r] = dropout.keep(i, h, qb + r, kb + j) ? P[j * nq + r] * dropout.scale() : 0.f;
-            gemm(false, false, nk, d, nq, kept.data(), nq, dO.row(qb), dO.ld, dV.data(), d, 1.f, true, scratch);
+            gemm(kBackward, false, false, nk, d, nq,
+                 kept.data(), nq, dO.row(qb), dO.ld, dV.data(), d, 1.f, true, scratch);
           } else {
-            gemm(false, false, nk, d, nq, P.data(), nq, dO.row(qb), dO.ld, dV.data(), d, 1.f, true, scratch);
+            gemm(kBackward, false, false, nk, d, nq, P.data(), nq, dO.row(qb), dO.ld, dV.data(), d, 1.f, true, scratch);
           }
-          gemm(false, true, nk, nq, d, V.row(kb), V.ld, dO.row(qb), dO.ld, dP.data(), nq, 1.f, false, scratch);
+          gemm(kBackward, false, true, nk, nq, d,
+               V.row(kb), V.ld, dO.row(qb), dO.ld, dP.data(), nq, 1.f, false, scratch);
           if (single_key) {  // softmax over one key is constant: q and k get exactly no gradient
             std::fill(dP.begin(), dP.begin() + nk * nq, 0.f);
             std::fill(D.begin() + qb, D.begin() + qb + nq, 0.f);
@@ -403,8 +421,9 @@ void backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, 
               (VecF::loadu(p + r, m) * (VecF::loadu(dp + r, m) - VecF::loadu(D.data() + qb + r, m))).store(dp + r, m);
             }
           }
-          gemm(false, false, nk, d, nq, dP.data(), nq, Q.row(qb), Q.ld, dK.data(), d, scale, true, scratch);
-          gemm(true, false, nq, d, nk, dP.data(), nq, K.row(kb), K.ld, dQ.data() + qb * d, d, scale, true, scratch);
+          gemm(kBackward, false, false, nk, d, nq, dP.data(), nq, Q.row(qb), Q.ld, dK.data(), d, scale, true, scratch);
+          gemm(kBackward, true, false, nq, d, nk,
+               dP.data(), nq, K.row(kb), K.ld, dQ.data() + qb * d, d, scale, true, scratch);
         }
         for (int64_t j = 0; j < nk; ++j) {
           store_row(dkp + ldk.at(i, s0, h, kb + j), dK.data() + j * d, d, 1.f);
