@@ -106,8 +106,11 @@ sgemm_fn blas_sgemm(bool forward) {
 
 void gemm_nn(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
              int64_t ldc, float alpha, bool accumulate) {
+  // 8 rows x 2 vectors = 16 accumulators: half of AVX-512's 32 registers; AVX2 has 16 in all, so 4 rows.
+  constexpr int kRows = kHalf == 16 ? 8 : 4;
   int64_t i = 0;
-  for (; i + 8 <= M; i += 8) gemm_rows<8>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, alpha, accumulate);
+  for (; i + kRows <= M; i += kRows)
+    gemm_rows<kRows>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, alpha, accumulate);
   for (; i + 4 <= M; i += 4) gemm_rows<4>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, alpha, accumulate);
   switch (M - i) {
     case 3: gemm_rows<3>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, alpha, accumulate); break;
