@@ -187,7 +187,8 @@ def test_ops_work_under_vmap():
     pytest.importorskip("fastbert._C", reason="the cpu backend is not built")
     x, r = torch.randn(2, 4, 16), torch.randn(2, 4, 16)
     w, b = torch.randn(16), torch.randn(16)
-    with fastbert.use_backend("cpu", op="add_layer_norm"), torch.no_grad():
+    with fastbert.use_backend("cpu", op="add_layer_norm"), torch.no_grad(), dispatch.record() as calls:
         batched = torch.func.vmap(lambda a, c: ops.add_layer_norm(a, c, w, b, 1e-5))(x, r)
         looped = torch.stack([ops.add_layer_norm(x[i], r[i], w, b, 1e-5) for i in range(2)])
+    assert calls and {c.backend for c in calls} == {"cpu"}, f"calls: {list(calls)}"
     torch.testing.assert_close(batched, looped, rtol=0, atol=0)
