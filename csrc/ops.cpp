@@ -4,6 +4,8 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include "cpu/vec.h"
+
 TORCH_LIBRARY(fastbert_C, m) {
   // out-variants: Python allocates `out` (poisoned under test) and the kernel fills it.
   m.def("bias_gelu_fwd(Tensor x, Tensor bias, bool tanh, Tensor(a!) out) -> ()");
@@ -32,9 +34,15 @@ PyMODINIT_FUNC PyInit__C(void) {
   PyObject* m = PyModule_Create(&module);
   if (m == nullptr) return nullptr;
 #ifdef FASTBERT_WITH_CUDA
-  PyModule_AddObject(m, "WITH_CUDA", Py_True);
+  PyModule_AddObjectRef(m, "WITH_CUDA", Py_True);
 #else
-  PyModule_AddObject(m, "WITH_CUDA", Py_False);
+  PyModule_AddObjectRef(m, "WITH_CUDA", Py_False);
+#endif
+  // bfloat16 attention multiplies bfloat16 pairs (_mm512_dpbf16_ps) instead of fp32 copies.
+#ifdef FASTBERT_AVX512_BF16
+  PyModule_AddObjectRef(m, "AVX512_BF16", Py_True);
+#else
+  PyModule_AddObjectRef(m, "AVX512_BF16", Py_False);
 #endif
 #ifdef CPU_CAPABILITY
 #define FASTBERT_STR2(x) #x

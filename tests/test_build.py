@@ -15,6 +15,12 @@ def test_extension_built_when_required():
     from fastbert import _C
 
     assert _C.CPU_CAPABILITY in ("AVX512", "AVX2", "DEFAULT")
+    with open("/proc/cpuinfo") as f:
+        flags = set(f.read().split())
+    # setup.py builds for the machine it runs on: an AVX-512 build where the CPU has avx512_bf16
+    # must carry the bfloat16 dot products (bf16 attention would silently take fp32 copies otherwise).
+    if _C.CPU_CAPABILITY == "AVX512":
+        assert _C.AVX512_BF16 == ("avx512_bf16" in flags)
 
 
 def test_import_and_info_work_without_the_extension():

@@ -155,6 +155,25 @@ def test_cpu_attention_each_gemm(spec, case, dtype, blas, monkeypatch):
     test_parity(spec, case, "cpu", dtype)
 
 
+def test_cpu_attention_bf16_multiplies_bf16_pairs(monkeypatch):
+    """Where the build has avx512_bf16, bfloat16 attention on the micro-kernel multiplies bfloat16 pairs
+    (P rounded to bfloat16 for P V), not the fp32 copies BLAS gets: the two round differently, so equal
+    outputs would mean the bf16 products never ran. Both paths are held to the table above."""
+    from fastbert import _C
+
+    if not _C.AVX512_BF16:
+        pytest.skip("fastbert._C was built without avx512_bf16")
+    q, k, v = (torch.randn(2, 3, 97, 64).to(torch.bfloat16) for _ in range(3))
+    mask = padding_mask(2, 97, "cpu")
+    outs = {}
+    for blas in ("0", "1"):
+        monkeypatch.setenv("FASTBERT_CPU_BLAS", blas)
+        with dispatch.use_backend("cpu"), dispatch.record() as calls:
+            outs[blas] = ops.attention(q, k, v, mask)
+        assert_ran(calls, "attention", "cpu")
+    assert not torch.equal(outs["0"], outs["1"])
+
+
 def _relaid(t, layout: str):
     """The same values in another memory layout (a leaf again if `t` requires grad)."""
     if not isinstance(t, torch.Tensor) or not t.is_floating_point():

@@ -7,6 +7,12 @@
 #include <algorithm>
 #include <type_traits>
 
+// avx512_bf16 in the build (setup.py adds -mavx512bf16 where the CPU has it): one-instruction bfloat16
+// rounding (store2) and bfloat16 dot products (attention.cpp).
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+#define FASTBERT_AVX512_BF16 1
+#endif
+
 namespace fastbert {
 
 using VecF = at::vec::Vectorized<float>;
@@ -41,7 +47,7 @@ inline void store2(float* p, int64_t n, const VecF& a, const VecF& b) {
 }
 
 inline void store2(c10::BFloat16* p, int64_t n, const VecF& a, const VecF& b) {
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+#ifdef FASTBERT_AVX512_BF16
   // One instruction rounds 32 floats to nearest-even bfloat16; at::vec's conversion takes ~16.
   const at::vec::Vectorized<c10::BFloat16> v((__m512i)_mm512_cvtne2ps_pbh(b, a));
 #else
