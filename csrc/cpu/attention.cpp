@@ -439,33 +439,33 @@ void forward_with(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         std::fill(row_sum.begin(), row_sum.end(), 0.f);
         for (int64_t kb = 0; kb < keys; kb += kBlockK) {
           const int64_t nk = std::min(kBlockK, keys - kb);
+          // Right-padded batches have no padding left among the visited keys: then no bias to add.
+          const bool masked = std::find(bias.begin() + kb, bias.begin() + kb + nk, -kInf) != bias.begin() + kb + nk;
           products.scores(qb, nq, kb, nk, scale, S.data());
           for (int64_t r = 0; r < nq; ++r) {
             float* s = S.data() + r * nk;
             VecF vmax(-kInf);
-            for (int64_t j = 0; j < nk; j += kHalf) {
-              const int64_t m = std::min(kHalf, nk - j);
-              VecF x = VecF::loadu(s + j, m) + VecF::loadu(bias.data() + kb + j, m);
-              x.store(s + j, m);
+            for_vectors(nk, [&](int64_t j, int64_t m) {
+              VecF x = VecF::loadu(s + j, m);
+              if (masked) {
+                x = x + VecF::loadu(bias.data() + kb + j, m);
+                x.store(s + j, m);
+              }
               vmax = at::vec::maximum(vmax, m < kHalf ? VecF::set(VecF(-kInf), x, m) : x);
-            }
-            alignas(64) float lanes[kHalf];
-            vmax.store(lanes);
-            const float mx = *std::max_element(lanes, lanes + kHalf);
-            const float m_new = std::max(row_max[r], mx);
+            });
+            const float m_new = std::max(row_max[r], reduce_max(vmax));
             if (m_new == -kInf) {  // every key so far is padding: nothing to add
               std::fill(s, s + nk, 0.f);
               continue;
             }
             const float correction = std::exp(row_max[r] - m_new);  // 0 on the first kept block
             VecF acc(0.f);
-            for (int64_t j = 0; j < nk; j += kHalf) {
-              const int64_t m = std::min(kHalf, nk - j);
+            for_vectors(nk, [&](int64_t j, int64_t m) {
               VecF p = (VecF::loadu(s + j, m) - VecF(m_new)).exp_u20();
               if (m < kHalf) p = VecF::set(VecF(0.f), p, m);
               p.store(s + j, m);
               acc = acc + p;
-            }
+            });
             row_sum[r] = row_sum[r] * correction + reduce_sum(acc);  // the normalizer sees every probability
             row_max[r] = m_new;
             if (correction != 1.f) store_row(O.data() + r * d, O.data() + r * d, d, correction);

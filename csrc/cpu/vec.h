@@ -1,6 +1,7 @@
 // Loading and storing float / bfloat16 as pairs of float vectors: kernels compute in fp32 whatever
 // the storage type. A "block" is 2 x VecF::size() elements (one Vectorized<BFloat16>).
 #pragma once
+#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
 
@@ -65,6 +66,14 @@ inline void for_blocks(int64_t n, const F& f) {
   if (j < n) f(j, n - j);
 }
 
+// f(j, m) over [0, n) in single vectors (m <= kHalf lanes), full ones first as in for_blocks.
+template <typename F>
+inline void for_vectors(int64_t n, const F& f) {
+  int64_t j = 0;
+  for (; j + kHalf <= n; j += kHalf) f(j, kHalf);
+  if (j < n) f(j, n - j);
+}
+
 // n values as float (weights, biases: converted once per thread instead of once per row).
 template <typename T>
 void to_float(const T* src, float* dst, int64_t n) {
@@ -76,13 +85,13 @@ void to_float(const T* src, float* dst, int64_t n) {
   }
 }
 
-// Sum of all lanes (once per row: a plain loop is fine).
+// Sum / maximum of all lanes, in log2(lanes) shuffle steps.
 inline float reduce_sum(const VecF& v) {
-  alignas(64) float lanes[kHalf];
-  v.store(lanes);
-  float s = 0.f;
-  for (int64_t i = 0; i < kHalf; ++i) s += lanes[i];
-  return s;
+  return at::vec::vec_reduce_all<float>([](const VecF& a, const VecF& b) { return a + b; }, v);
+}
+
+inline float reduce_max(const VecF& v) {
+  return at::vec::vec_reduce_all<float>([](const VecF& a, const VecF& b) { return at::vec::maximum(a, b); }, v);
 }
 
 // erf(x) = x * P(x^2) / Q(x^2): rational fits on |x| <= 3.92 (beyond it erf is +-1 in fp32), a few
