@@ -58,10 +58,14 @@ def _cpu_autograd(ctx, grad):
 
 
 def linear_backward(grad, x, weight, bias):
-    """Gradients of x @ weight.T + bias: (grad_x, grad_weight, grad_bias)."""
-    g2 = grad.reshape(-1, weight.shape[0])
-    grad_x = (g2 @ weight).view(x.shape)
-    grad_weight = g2.t() @ x.reshape(-1, x.shape[-1])
+    """Gradients of x @ weight.T + bias: (grad_x, grad_weight, grad_bias). float32 CPU GEMMs on oneDNN
+    (where this torch has it), everything else on torch's matmul."""
+    g2, x2 = grad.reshape(-1, weight.shape[0]), x.reshape(-1, x.shape[-1])
+    if x.dtype == torch.float32 and x.device.type == "cpu" and x2.shape[0] > 0 and not _onednn.missing():
+        grad_x, grad_weight = _onednn.linear_backward(g2, x2, weight)
+        grad_x = grad_x.view(x.shape)
+    else:
+        grad_x, grad_weight = (g2 @ weight).view(x.shape), g2.t() @ x2
     grad_bias = g2.sum(0) if bias is not None else None
     return grad_x, grad_weight, grad_bias
 
