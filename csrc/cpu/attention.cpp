@@ -521,27 +521,49 @@ void backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, 
       const Rows<T> V(vp + lv.at(i, s0, h, 0), lv.row, keys, d, vbuf);
       const Rows<T> dO(gp + lg.at(i, s0, h, 0), lg.row, L, d, gbuf);
       for (int64_t r = 0; r < L; ++r) LSE[r] = lp[ll.at(i, s0, h, r)];
-      // D = rowsum(P * dP), recomputed in fp32 from the same P and dP that dS = P * (dP - D) uses
-      // (one more pass of the two score-sized GEMMs) rather than rowsum(dO * O): O's rounding (T's, or
-      // fp32's summed over d) is uncorrelated with dP's, and where softmax is nearly one-hot dP - D
-      // cancels to almost nothing, so D from O left q and k gradients with ~60x plain PyTorch's error.
-      std::fill(D.begin(), D.begin() + L, 0.f);
-      for (int64_t kb = 0; kb < keys; kb += kBlockK) {
-        const int64_t nk = std::min(kBlockK, keys - kb);
-        for (int64_t qb = 0; qb < L; qb += kBlockQ) {
-          const int64_t nq = std::min(kBlockQ, L - qb);
-          gemm(kBackward, false, true, nk, nq, d,
-               K.row(kb), K.ld, Q.row(qb), Q.ld, P.data(), nq, scale, false, scratch);
-          gemm(kBackward, false, true, nk, nq, d,
-               V.row(kb), V.ld, dO.row(qb), dO.ld, dP.data(), nq, 1.f, false, scratch);
-          for (int64_t j = 0; j < nk; ++j)
-            for (int64_t r = 0; r < nq; ++r) {
-              float p = std::exp(P[j * nq + r] + bias[kb + j] - LSE[qb + r]);
-              if (dropout.on()) p = dropout.keep(i, h, qb + r, kb + j) ? p * dropout.scale() : 0.f;
-              D[qb + r] += p * dP[j * nq + r];
-            }
+      // P^T [nk, nq] = exp(K Q^T * scale + bias - lse) of tile (kb, qb): -inf bias or +inf lse give 0.
+      // With dropout, `kept` gets the probabilities dropout kept, scaled by 1 / (1 - p).
+      auto probabilities = [&](int64_t kb, int64_t nk, int64_t qb, int64_t nq) {
+        gemm(kBackward, false, true, nk, nq, d, K.row(kb), K.ld, Q.row(qb), Q.ld, P.data(), nq, scale, false, scratch);
+        for (int64_t j = 0; j < nk; ++j) {
+          float* p = P.data() + j * nq;
+          const VecF kbias(bias[kb + j]);
+          for_vectors(nq, [&](int64_t r, int64_t m) {
+            (VecF::loadu(p + r, m) + kbias - VecF::loadu(LSE.data() + qb + r, m)).exp().store(p + r, m);
+          });
         }
-      }
+        if (dropout.on())
+          for (int64_t j = 0; j < nk; ++j)
+            for (int64_t r = 0; r < nq; ++r)
+              kept[j * nq + r] = dropout.keep(i, h, qb + r, kb + j) ? P[j * nq + r] * dropout.scale() : 0.f;
+        return dropout.on() ? kept.data() : P.data();
+      };
+      // D[qb:qb+nq] += rowsum over the tile's keys of (dropped) P * dP, dP^T = V dO^T.
+      auto add_to_D = [&](const float* Pk, int64_t nk, int64_t qb, int64_t nq) {
+        for (int64_t j = 0; j < nk; ++j)
+          for_vectors(nq, [&](int64_t r, int64_t m) {
+            const VecF sum = VecF::loadu(D.data() + qb + r, m) +
+                             VecF::loadu(Pk + j * nq + r, m) * VecF::loadu(dP.data() + j * nq + r, m);
+            sum.store(D.data() + qb + r, m);
+          });
+      };
+      // D = rowsum(P * dP), in fp32 from the same P and dP that dS = P * (dP - D) uses, rather than
+      // rowsum(dO * O): O's rounding (T's, or fp32's summed over d) is uncorrelated with dP's, and where
+      // softmax is nearly one-hot dP - D cancels to almost nothing, so D from O left q and k gradients
+      // with ~60x plain PyTorch's error. With one key block each tile holds its rows' every key, so the
+      // tile's own P and dP give D; otherwise a first pass over all key blocks (two more GEMMs a tile).
+      const bool one_key_block = keys <= kBlockK;
+      std::fill(D.begin(), D.begin() + L, 0.f);
+      if (!one_key_block)
+        for (int64_t kb = 0; kb < keys; kb += kBlockK) {
+          const int64_t nk = std::min(kBlockK, keys - kb);
+          for (int64_t qb = 0; qb < L; qb += kBlockQ) {
+            const int64_t nq = std::min(kBlockQ, L - qb);
+            const float* Pk = probabilities(kb, nk, qb, nq);
+            gemm(kBackward, false, true, nk, nq, d, V.row(kb), V.ld, dO.row(qb), dO.ld, dP.data(), nq, 1.f, false, scratch);
+            add_to_D(Pk, nk, qb, nq);
+          }
+        }
       std::fill(dQ.begin(), dQ.begin() + L * d, 0.f);
       for (int64_t kb = 0; kb < keys; kb += kBlockK) {
         const int64_t nk = std::min(kBlockK, keys - kb);
@@ -549,28 +571,12 @@ void backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, 
         std::fill(dV.begin(), dV.end(), 0.f);
         for (int64_t qb = 0; qb < L; qb += kBlockQ) {
           const int64_t nq = std::min(kBlockQ, L - qb);
-          // P^T [nk, nq] = exp(K Q^T * scale + bias - lse): -inf bias or +inf lse give 0
-          gemm(kBackward, false, true, nk, nq, d,
-               K.row(kb), K.ld, Q.row(qb), Q.ld, P.data(), nq, scale, false, scratch);
-          for (int64_t j = 0; j < nk; ++j) {
-            float* p = P.data() + j * nq;
-            const VecF kbias(bias[kb + j]);
-            for (int64_t r = 0; r < nq; r += kHalf) {
-              const int64_t m = std::min(kHalf, nq - r);
-              (VecF::loadu(p + r, m) + kbias - VecF::loadu(LSE.data() + qb + r, m)).exp().store(p + r, m);
-            }
-          }
-          if (dropout.on()) {  // dV takes the dropped probabilities: kept ones scaled by 1 / (1 - p)
-            for (int64_t j = 0; j < nk; ++j)
-              for (int64_t r = 0; r < nq; ++r)
-                kept[j * nq + r] = dropout.keep(i, h, qb + r, kb + j) ? P[j * nq + r] * dropout.scale() : 0.f;
-            gemm(kBackward, false, false, nk, d, nq,
-                 kept.data(), nq, dO.row(qb), dO.ld, dV.data(), d, 1.f, true, scratch);
-          } else {
-            gemm(kBackward, false, false, nk, d, nq, P.data(), nq, dO.row(qb), dO.ld, dV.data(), d, 1.f, true, scratch);
-          }
+          const float* Pk = probabilities(kb, nk, qb, nq);
+          // dV takes the dropped probabilities
+          gemm(kBackward, false, false, nk, d, nq, Pk, nq, dO.row(qb), dO.ld, dV.data(), d, 1.f, true, scratch);
           gemm(kBackward, false, true, nk, nq, d,
                V.row(kb), V.ld, dO.row(qb), dO.ld, dP.data(), nq, 1.f, false, scratch);
+          if (one_key_block) add_to_D(Pk, nk, qb, nq);
           if (single_key) {  // softmax over one key is constant: q and k get exactly no gradient
             std::fill(dP.begin(), dP.begin() + nk * nq, 0.f);
             std::fill(D.begin() + qb, D.begin() + qb + nq, 0.f);
@@ -582,10 +588,9 @@ void backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, 
           for (int64_t j = 0; j < nk; ++j) {  // dS^T = P^T * (dP^T - D)
             float* p = P.data() + j * nq;
             float* dp = dP.data() + j * nq;
-            for (int64_t r = 0; r < nq; r += kHalf) {
-              const int64_t m = std::min(kHalf, nq - r);
+            for_vectors(nq, [&](int64_t r, int64_t m) {
               (VecF::loadu(p + r, m) * (VecF::loadu(dp + r, m) - VecF::loadu(D.data() + qb + r, m))).store(dp + r, m);
-            }
+            });
           }
           gemm(kBackward, false, false, nk, d, nq, dP.data(), nq, Q.row(qb), Q.ld, dK.data(), d, scale, true, scratch);
           gemm(kBackward, true, false, nq, d, nk,
