@@ -55,7 +55,11 @@ def linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a
     return torch.ops.mkldnn._linear_pointwise(x2d, packed(weight, x2d.shape[0]), bias, attr, scalars, algorithm)
 
 
-def linear_backward(g2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor):
+
+# A custom op: under torch.compile the backward is traced, and Inductor lowers a bare
+# mkldnn._linear_pointwise only for weights it holds as constants (frozen inference graphs).
+@torch.library.custom_op("fastbert::linear_backward_cpu", mutates_args=())
+def linear_backward(g2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad of x2d, grad of weight) for x2d @ weight.T: g2d @ weight and g2d.T @ x2d as oneDNN linears
     reading transposed views in place. For float32 only: there torch's matmul (MKL) ran these at ~225
     GFLOP/s on the Zen 5 VM and oneDNN at ~410 (1024 x 768 x 3072); in bfloat16 torch's matmul is
@@ -65,3 +69,8 @@ def linear_backward(g2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor):
     grad_x = torch.ops.mkldnn._linear_pointwise(g2d, weight.contiguous().t(), None, attr, scalars, algorithm)
     grad_weight = torch.ops.mkldnn._linear_pointwise(g2d.t(), x2d.t(), None, attr, scalars, algorithm)
     return grad_x, grad_weight
+
+
+@linear_backward.register_fake
+def _(g2d, x2d, weight):
+    return x2d.new_empty(x2d.shape), weight.new_empty(weight.shape)
