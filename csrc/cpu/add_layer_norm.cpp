@@ -18,7 +18,8 @@ namespace {
 bool row_multipliers(const Dropout& dropout, int64_t r, int64_t n, std::vector<float>& mult) {
   if (!dropout.on()) return false;
   mult.resize(n);
-  for (int64_t j = 0; j < n; ++j) mult[j] = dropout.keep(0, 0, r, j) ? dropout.scale() : 0.f;
+  std::fill(mult.begin(), mult.begin() + n, 1.f);
+  dropout_run(dropout, 0, 0, r, 0, 0, 1, n, mult.data(), mult.data());
   return true;
 }
 

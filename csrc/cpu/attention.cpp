@@ -470,7 +470,7 @@ void forward_with(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
             row_max[r] = m_new;
             if (correction != 1.f) store_row(O.data() + r * d, O.data() + r * d, d, correction);
             if (dropout.on())  // ... P @ V only the kept ones, scaled by 1 / (1 - p)
-              for (int64_t j = 0; j < nk; ++j) s[j] = dropout.keep(i, h, qb + r, kb + j) ? s[j] * dropout.scale() : 0.f;
+              dropout_run(dropout, i, h, qb + r, kb, 0, 1, nk, s, s);
           }
           products.accumulate(nq, kb, nk, S.data(), O.data());
         }
@@ -532,10 +532,9 @@ void backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, 
             (VecF::loadu(p + r, m) + kbias - VecF::loadu(LSE.data() + qb + r, m)).exp().store(p + r, m);
           });
         }
-        if (dropout.on())
+        if (dropout.on())  // P^T's row j is key kb + j over queries qb ...: a column run of keep()
           for (int64_t j = 0; j < nk; ++j)
-            for (int64_t r = 0; r < nq; ++r)
-              kept[j * nq + r] = dropout.keep(i, h, qb + r, kb + j) ? P[j * nq + r] * dropout.scale() : 0.f;
+            dropout_run(dropout, i, h, qb, kb + j, 1, 0, nq, P.data() + j * nq, kept.data() + j * nq);
         return dropout.on() ? kept.data() : P.data();
       };
       // D[qb:qb+nq] += rowsum over the tile's keys of (dropped) P * dP, dP^T = V dO^T.
@@ -583,8 +582,7 @@ void backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, 
           }
           if (dropout.on())  // gradient of the probabilities before dropout
             for (int64_t j = 0; j < nk; ++j)
-              for (int64_t r = 0; r < nq; ++r)
-                if (!dropout.keep(i, h, qb + r, kb + j)) dP[j * nq + r] = 0.f; else dP[j * nq + r] *= dropout.scale();
+              dropout_run(dropout, i, h, qb, kb + j, 1, 0, nq, dP.data() + j * nq, dP.data() + j * nq);
           for (int64_t j = 0; j < nk; ++j) {  // dS^T = P^T * (dP^T - D)
             float* p = P.data() + j * nq;
             float* dp = dP.data() + j * nq;

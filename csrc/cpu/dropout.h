@@ -4,7 +4,11 @@
 // the arithmetic is the same integer hashing and one exact int-to-float conversion on both sides, so a
 // GPU kernel keeps exactly the elements the CPU kernel keeps.
 #pragma once
+#include <cmath>
 #include <cstdint>
+#if !defined(__CUDACC__) && defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
 
 #ifdef __CUDACC__
 #define FASTBERT_HD __host__ __device__
@@ -34,5 +38,44 @@ struct Dropout {
     return float(x >> 40) * (1.f / 16777216.f) >= p;  // a 24-bit uniform in [0, 1)
   }
 };
+
+#ifndef __CUDACC__
+// y[t] = keep(i, h, r + t * dr, j + t * dj) ? x[t] * scale() : 0 for t in [0, n): a run along a row
+// (dr = 0, dj = 1) or a column (dr = 1, dj = 0); y may be x. The same decisions as keep(); with
+// AVX-512 the hash runs on 8 positions a vector (scalar, it cost attention 3 ms a BERT-base layer).
+inline void dropout_run(const Dropout& d, int64_t i, int64_t h, int64_t r, int64_t j, int64_t dr, int64_t dj,
+                        int64_t n, const float* x, float* y) {
+  const float scale = d.scale();
+  int64_t t = 0;
+#ifdef CPU_CAPABILITY_AVX512
+  const uint64_t base = mix64(d.seed ^ mix64((uint64_t(i) << 32) ^ uint64_t(h)));
+  // keep <=> u * 2^-24 >= p for the 24-bit u, both sides exact: u >= ceil(p * 2^24)
+  const __m512i threshold = _mm512_set1_epi64((long long)std::ceil(double(d.p) * 16777216.0));
+  const __m512i lane = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
+  auto mix = [](__m512i z) {  // mix64 on 8 lanes
+    z = _mm512_add_epi64(z, _mm512_set1_epi64((long long)0x9E3779B97F4A7C15ull));
+    z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 30)), _mm512_set1_epi64((long long)0xBF58476D1CE4E5B9ull));
+    z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 27)), _mm512_set1_epi64((long long)0x94D049BB133111EBull));
+    return _mm512_xor_si512(z, _mm512_srli_epi64(z, 31));
+  };
+  auto keep8 = [&](int64_t t0) {  // decisions of t0 .. t0 + 7
+    const __m512i t = _mm512_add_epi64(_mm512_set1_epi64(t0), lane);
+    const __m512i rows = _mm512_add_epi64(_mm512_set1_epi64(r), _mm512_mullo_epi64(t, _mm512_set1_epi64(dr)));
+    const __m512i cols = _mm512_add_epi64(_mm512_set1_epi64(j), _mm512_mullo_epi64(t, _mm512_set1_epi64(dj)));
+    const __m512i key = _mm512_or_si512(_mm512_slli_epi64(rows, 32), cols);
+    const __m512i z = mix(_mm512_xor_si512(_mm512_set1_epi64((long long)base), key));
+    return _mm512_cmpge_epu64_mask(_mm512_srli_epi64(z, 40), threshold);
+  };
+  for (; t < n; t += 16) {
+    const int64_t m = n - t < 16 ? n - t : 16;
+    const __mmask16 in = m == 16 ? 0xFFFF : (__mmask16)((1u << m) - 1);
+    const __mmask16 kept = (__mmask16)(keep8(t) | (keep8(t + 8) << 8)) & in;
+    const __m512 v = _mm512_maskz_loadu_ps(in, x + t);
+    _mm512_mask_storeu_ps(y + t, in, _mm512_maskz_mul_ps(kept, v, _mm512_set1_ps(scale)));
+  }
+#endif
+  for (; t < n; ++t) y[t] = d.keep(i, h, r + t * dr, j + t * dj) ? x[t] * scale : 0.f;
+}
+#endif
 
 }  // namespace fastbert
