@@ -48,7 +48,8 @@ def report() -> str:
     try:
         from fastbert import _C
 
-        lines.append(f"fastbert._C: built for CPU_CAPABILITY={_C.CPU_CAPABILITY}, CUDA={_C.WITH_CUDA}")
+        lines.append(f"fastbert._C: built for CPU_CAPABILITY={_C.CPU_CAPABILITY}, AVX512_BF16={_C.AVX512_BF16} "
+                     f"(bfloat16 attention on bf16 dot products), CUDA={_C.WITH_CUDA}")
     except Exception:
         pass
     lines.append("Priority (first that can serve a call wins): " + " > ".join(dispatch.BACKENDS))
