@@ -5,10 +5,11 @@ from fastbert.dispatch import BackendUnavailable, use_backend
 from fastbert.heads import (BertForMaskedLM, BertForPreTraining, BertForQuestionAnswering,
                             BertForSequenceClassification, BertForTokenClassification)
 from fastbert.hf import optimize, register_attention
+from fastbert.memory import keep_freed_memory
 from fastbert.model import BertModel, BertModelOutput, BertPreTrainedModel
 
 __version__ = "0.1.0"
 __all__ = ["BertConfig", "BertModel", "BertModelOutput", "BertPreTrainedModel", "BertForMaskedLM",
            "BertForPreTraining", "BertForSequenceClassification", "BertForTokenClassification",
-           "BertForQuestionAnswering", "BackendUnavailable", "dispatch", "ops", "optimize", "register_attention",
-           "use_backend"]
+           "BertForQuestionAnswering", "BackendUnavailable", "dispatch", "keep_freed_memory", "ops", "optimize",
+           "register_attention", "use_backend"]

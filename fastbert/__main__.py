@@ -35,6 +35,8 @@ def main(argv=None) -> int:
     bench.add_argument("--backend", default=None, help="force one fastbert backend for every op")
     bench.add_argument("--out", default="benchmarks/out", help="folder for bench.json and bench.png")
     bench.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the models run")
+    bench.add_argument("--keep-freed-memory", action="store_true",
+                       help="fastbert.keep_freed_memory() first: large tensors reuse freed pages (every competitor)")
     pretrain = sub.add_parser("pretrain", help="pretrain BERT (masked LM + next sentence) on a text file")
     pretrain.add_argument("--corpus", required=True, help="one sentence per line, blank lines between documents")
     pretrain.add_argument("--tokenizer", default=None,
@@ -81,7 +83,8 @@ def main(argv=None) -> int:
     elif args.command == "bench":
         from fastbert.bench import run
 
-        run(args.models, args.dtypes, args.shapes, args.competitors, args.rounds, args.out, args.backend, args.device)
+        run(args.models, args.dtypes, args.shapes, args.competitors, args.rounds, args.out, args.backend, args.device,
+            args.keep_freed_memory)
     elif args.command in ("pretrain", "finetune"):
         from fastbert import train
 

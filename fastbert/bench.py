@@ -329,8 +329,12 @@ def chart(rows: list[Row], names: list[str], path: str) -> str:
 
 
 def run(models=("minilm", "base"), dtypes=("fp32",), shapes=SHAPES, competitors=DEFAULT_COMPETITORS, rounds=7,
-        out_dir="benchmarks/out", backend=None, device="cpu") -> list[Row]:
+        out_dir="benchmarks/out", backend=None, device="cpu", keep_freed_memory=False) -> list[Row]:
     os.makedirs(out_dir, exist_ok=True)
+    if keep_freed_memory:  # process-wide: every competitor runs with it
+        from fastbert.memory import keep_freed_memory as keep
+
+        log("malloc keeps freed memory (fastbert.keep_freed_memory): " + ("on" if keep() else "not glibc, unchanged"))
     rates = {d: gemm_rate(DTYPES[d], device) for d in dtypes}
     log("GEMM rate: " + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in rates.items()))
     rows = []
@@ -355,7 +359,7 @@ def run(models=("minilm", "base"), dtypes=("fp32",), shapes=SHAPES, competitors=
     table = markdown(rows, names, rates)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-            "gemm_gflops": rates, "command": " ".join(sys.argv)}
+            "gemm_gflops": rates, "keep_freed_memory": keep_freed_memory, "command": " ".join(sys.argv)}
     with open(os.path.join(out_dir, "bench.json"), "w") as f:
         json.dump({"meta": meta, "rows": [r.__dict__ for r in rows]}, f, indent=2)
     png = chart(rows, names, os.path.join(out_dir, "bench.png"))
