@@ -414,6 +414,16 @@ struct Bf16Products {
 };
 #endif
 
+// exp for the forward's probabilities. float32 takes Sleef's 1-ulp exp: the saved logsumexp must agree
+// with the backward's exp to ~1e-8, or where softmax is nearly one-hot dP - D is swamped by the
+// mismatch (exp_u20's ~1e-6 gave q gradients 1.7x the table's bound in a 1500-example property run).
+// bfloat16's 2^-9 rounding hides that, and exp_u20 is cheaper.
+template <typename T>
+inline VecF fast_exp(const VecF& x) {
+  if constexpr (std::is_same_v<T, float>) return x.exp();
+  else return x.exp_u20();
+}
+
 template <typename T, typename Products>
 void forward_with(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Batch& b, float scale,
                   const Dropout& dropout, const at::Tensor& out, const at::Tensor& lse) {
@@ -461,7 +471,7 @@ void forward_with(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
             const float correction = std::exp(row_max[r] - m_new);  // 0 on the first kept block
             VecF acc(0.f);
             for_vectors(nk, [&](int64_t j, int64_t m) {
-              VecF p = (VecF::loadu(s + j, m) - VecF(m_new)).exp_u20();
+              VecF p = fast_exp<T>(VecF::loadu(s + j, m) - VecF(m_new));
               if (m < kHalf) p = VecF::set(VecF(0.f), p, m);
               p.store(s + j, m);
               acc = acc + p;
@@ -510,7 +520,8 @@ void backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, 
   at::parallel_for(0, b.sequences * b.heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qbuf, kbuf, vbuf, gbuf, scratch, D(Lmax), LSE(Lmax), bias(Lmax), dQ(Lmax * d),
         dK(kBlockK * d), dV(kBlockK * d), P(kBlockK * kBlockQ), dP(kBlockK * kBlockQ),
-        kept(dropout.on() ? kBlockK * kBlockQ : 0), zeros(d, 0.f);
+        kept(dropout.on() ? kBlockK * kBlockQ : 0), zeros(d, 0.f), row_total(kBlockQ);
+    std::vector<int64_t> dominant(kBlockQ);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i = task % b.sequences, h = task / b.sequences, L = b.length[i], s0 = b.start[i];
       if (L == 0) continue;
@@ -589,6 +600,24 @@ void backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, 
             for_vectors(nq, [&](int64_t r, int64_t m) {
               (VecF::loadu(p + r, m) * (VecF::loadu(dp + r, m) - VecF::loadu(D.data() + qb + r, m))).store(dp + r, m);
             });
+          }
+          if (one_key_block) {
+            // A row's dS sums to zero. Where one key holds most of the probability (P > 1/2), its
+            // dP - D cancels to a few ulps of D (the others' P * (dP - D) do not): take its dS as minus
+            // the sum of the others instead. Property runs on short, sharp rows had q gradients at
+            // 30-600x plain PyTorch's error before.
+            std::fill(dominant.begin(), dominant.begin() + nq, -1);
+            std::fill(row_total.begin(), row_total.begin() + nq, 0.f);
+            for (int64_t j = 0; j < nk; ++j)
+              for (int64_t r = 0; r < nq; ++r) {
+                row_total[r] += dP[j * nq + r];
+                if (P[j * nq + r] > 0.5f) dominant[r] = j;
+              }
+            for (int64_t r = 0; r < nq; ++r)
+              if (dominant[r] >= 0) {
+                float& ds = dP[dominant[r] * nq + r];
+                ds = -(row_total[r] - ds);
+              }
           }
           gemm(kBackward, false, false, nk, d, nq, dP.data(), nq, Q.row(qb), Q.ld, dK.data(), d, scale, true, scratch);
           gemm(kBackward, true, false, nq, d, nk,
