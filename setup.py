@@ -21,7 +21,8 @@ def cpu_flags() -> list[str]:
     except OSError:
         have = set()
     if all(flag in have for flag in AVX512):
-        # avx512_bf16 (Zen 4+, Cooper Lake+) rounds 32 floats to bfloat16 in one instruction (csrc/cpu/vec.h).
+        # avx512_bf16 (Zen 4+, Cooper Lake+): one-instruction bfloat16 rounding (csrc/cpu/vec.h) and the
+        # bfloat16 dot products of attention (csrc/cpu/attention.cpp).
         bf16 = ["-mavx512bf16"] if "avx512_bf16" in have else []
         return ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", *bf16,
                 "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]

@@ -334,7 +334,7 @@ def run(models=("minilm", "base"), dtypes=("fp32",), shapes=SHAPES, competitors=
     if keep_freed_memory:  # process-wide: every competitor runs with it
         from fastbert.memory import keep_freed_memory as keep
 
-        log("malloc keeps freed memory (fastbert.keep_freed_memory): " + ("on" if keep() else "not glibc, unchanged"))
+        log("malloc keeps freed memory (fastbert.keep_freed_memory): " + ("on" if keep() else "not available (not glibc, or glibc refused it)"))
     rates = {d: gemm_rate(DTYPES[d], device) for d in dtypes}
     log("GEMM rate: " + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in rates.items()))
     rows = []

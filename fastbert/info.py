@@ -48,7 +48,7 @@ def report() -> str:
     try:
         from fastbert import _C
 
-        lines.append(f"fastbert._C: built for CPU_CAPABILITY={_C.CPU_CAPABILITY}, AVX512_BF16={_C.AVX512_BF16} "
+        lines.append(f"fastbert._C: built for CPU_CAPABILITY={_C.CPU_CAPABILITY}, AVX512_BF16={getattr(_C, 'AVX512_BF16', '?')} "
                      f"(bfloat16 attention on bf16 dot products), CUDA={_C.WITH_CUDA}")
     except Exception:
         pass

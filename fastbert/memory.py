@@ -19,8 +19,9 @@ _LARGEST = 2**31 - 1  # mallopt takes an int
 
 def keep_freed_memory() -> bool:
     """Make malloc keep freed memory and serve every size from it (no mmap per allocation, no trimming),
-    for the whole process, from now on. Returns False, changing nothing, where the C library is not
-    glibc. Call it once at startup, before the large tensors exist."""
+    for the whole process, from now on. Returns False where the C library is not glibc, or where glibc
+    refuses a threshold that large (older releases cap it at 32 MB). Call it once at startup, before
+    the large tensors exist."""
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name)

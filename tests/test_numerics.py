@@ -244,3 +244,17 @@ def test_add_layer_norm_single_feature(dtype):
     out, _ = compare("add_layer_norm", reference.add_layer_norm, ln_args(x, residual, dtype, 1), "elementwise")
     assert bool(torch.isfinite(out).all())
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_cpu_attention_nan_key_gives_nan_not_zeros(dtype):
+    """A NaN in one key reaches every query of its (sequence, head) as NaN: the row maximum must not
+    drop it and take the row for all padding, which would give zeros."""
+    if dispatch.machine_reasons("cpu"):
+        pytest.skip("; ".join(dispatch.machine_reasons("cpu")))
+    q, k, v = (torch.randn(2, 2, 40, 64).to(dtype) for _ in range(3))
+    k[0, 1, 17, 5] = float("nan")
+    with dispatch.use_backend("cpu", op="attention"):
+        out = ops.attention(q, k, v)
+    assert bool(out[0, 1].isnan().all()), f"{int(out[0, 1].isnan().sum())} of {out[0, 1].numel()} outputs are NaN"
+    assert bool(out[0, 0].isfinite().all() and out[1].isfinite().all())

@@ -79,7 +79,7 @@ SPECS = [
             {"attention_mask": padding_mask(b, s, dev) if masked else None}))(b, h, s, d, masked),
             "matmul")
         for b, h, s, d, masked in ((2, 2, 1, 32, False), (3, 2, 7, 64, True), (2, 3, 97, 32, True), (3, 2, 130, 64, True),
-                                   (1, 12, 16, 64, False))
+                                   (1, 12, 16, 64, False), (2, 2, 33, 48, True))
     ]),
 ]
 
@@ -145,33 +145,39 @@ def test_parity(spec, case, backend, dtype):
 ATTENTION_GRID = [(s, c) for s, c in GRID if s.op in ("attention", "varlen_attention")]
 
 
-@pytest.mark.parametrize("blas", ["0", "1"], ids=["micro-kernel", "blas"])
+@pytest.mark.parametrize("path", ["micro-kernel", "micro-kernel-fp32-copies", "blas"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("spec,case", ATTENTION_GRID, ids=[f"{s.op}-{c.name}" for s, c in ATTENTION_GRID])
-def test_cpu_attention_each_gemm(spec, case, dtype, blas, monkeypatch):
+def test_cpu_attention_each_gemm(spec, case, dtype, path, monkeypatch):
     """The cpu attention kernel forced onto each of its GEMMs, forward and backward: its own micro-kernel
-    (the forward's default with AVX-512, and all of it where torch has no BLAS) and torch's BLAS."""
-    monkeypatch.setenv("FASTBERT_CPU_BLAS", blas)
+    (the forward's default with AVX-512, and all of it where torch has no BLAS; bfloat16 on bf16 dot
+    products where the build has avx512_bf16, or on fp32 copies as builds without it) and torch's BLAS."""
+    if path == "micro-kernel-fp32-copies" and dtype != torch.bfloat16:
+        pytest.skip("float32 has no bf16 products to turn off")
+    monkeypatch.setenv("FASTBERT_CPU_BLAS", "1" if path == "blas" else "0")
+    monkeypatch.setenv("FASTBERT_CPU_BF16_DOT", "0" if path == "micro-kernel-fp32-copies" else "1")
     test_parity(spec, case, "cpu", dtype)
 
 
 def test_cpu_attention_bf16_multiplies_bf16_pairs(monkeypatch):
     """Where the build has avx512_bf16, bfloat16 attention on the micro-kernel multiplies bfloat16 pairs
-    (P rounded to bfloat16 for P V), not the fp32 copies BLAS gets: the two round differently, so equal
-    outputs would mean the bf16 products never ran. Both paths are held to the table above."""
+    (P rounded to bfloat16 for P V); FASTBERT_CPU_BF16_DOT=0 runs the same micro-kernel on fp32 copies.
+    Only P's rounding differs between the two, so equal outputs would mean the pairs never ran. Both
+    paths are held to the table by test_cpu_attention_each_gemm."""
     from fastbert import _C
 
     if not _C.AVX512_BF16:
         pytest.skip("fastbert._C was built without avx512_bf16")
     q, k, v = (torch.randn(2, 3, 97, 64).to(torch.bfloat16) for _ in range(3))
     mask = padding_mask(2, 97, "cpu")
+    monkeypatch.setenv("FASTBERT_CPU_BLAS", "0")
     outs = {}
-    for blas in ("0", "1"):
-        monkeypatch.setenv("FASTBERT_CPU_BLAS", blas)
+    for dot in ("1", "0"):
+        monkeypatch.setenv("FASTBERT_CPU_BF16_DOT", dot)
         with dispatch.use_backend("cpu"), dispatch.record() as calls:
-            outs[blas] = ops.attention(q, k, v, mask)
+            outs[dot] = ops.attention(q, k, v, mask)
         assert_ran(calls, "attention", "cpu")
-    assert not torch.equal(outs["0"], outs["1"])
+    assert not torch.equal(outs["1"], outs["0"])
 
 
 def _relaid(t, layout: str):

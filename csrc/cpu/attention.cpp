@@ -7,9 +7,9 @@
 // row strides), then walks query blocks x key blocks: scores by GEMM (a register-blocked micro-kernel in
 // the forward, torch's BLAS in the backward: see blas_sgemm), online softmax in fp32, P @ V accumulated
 // in fp32. bfloat16 is converted to fp32 first, except in a forward built with avx512_bf16, which
-// multiplies bfloat16 pairs (Bf16Products: 8x128 padded 1.42 -> 0.83 ms). Trailing padding keys are skipped, not computed
-// and masked. logsumexp is saved per row; backward recomputes the probabilities block by block (no
-// S x S matrix is ever stored).
+// multiplies bfloat16 pairs (Bf16Products: 8x128 padded 1.42 -> 0.83 ms). Trailing padding keys are
+// skipped, not computed and masked. logsumexp is saved per row; backward recomputes the probabilities
+// block by block (no S x S matrix is ever stored).
 // A query row with no kept key gets zeros, and logsumexp +inf so backward sees probabilities of 0.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -305,7 +305,7 @@ inline __mmask16 lane_mask(int64_t n) { return n >= 16 ? 0xFFFF : n <= 0 ? 0 : (
 // C[M x N] = alpha * A B (+ C if accumulate), fp32 C. A: M rows of 2K bfloat16 (row stride lda elements),
 // read as K pairs. B: K rows of N pairs (uint32, row stride ldb), pair k of column n holding the two
 // elements of B's summed dimension that meet A's pair k. _mm512_dpbf16_ps adds both products of each
-// pair to an fp32 lane: twice the fp32 FMA rate. Register block: R rows x 32 columns (2R accumulators).
+// pair to an fp32 lane: two products per lane per instruction. Register block: R rows x 32 columns (2R accumulators).
 template <int R>
 void dot_rows(int64_t N, int64_t K, const c10::BFloat16* A, int64_t lda, const uint32_t* B, int64_t ldb, float* C,
               int64_t ldc, float alpha, bool accumulate) {
@@ -360,7 +360,8 @@ void dot(int64_t M, int64_t N, int64_t K, const c10::BFloat16* A, int64_t lda, c
 // rows are already pairs along d. K^T is laid out as [d/2][keys] pairs: a transpose of K's rows read as
 // 32-bit words (bits moved, never computed on). V as [keys/2][d] pairs: rows 2t and 2t+1 interleaved.
 // P is rounded to bfloat16 for P V, as flash-attention's GPU kernels do; its normalizer stays fp32.
-// Needs an even head dim and even K row strides (bfloat16 pairs at whole 32-bit words).
+// Needs an even head dim and an even K row stride, so that every K row's pairs start at its first
+// element (the rows are read as 32-bit words through unaligned loads).
 struct Bf16Products {
   std::vector<uint32_t> kt, vp;
   std::vector<c10::BFloat16> pb;
@@ -463,7 +464,7 @@ void forward_with(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               }
               vmax = at::vec::maximum(vmax, m < kHalf ? VecF::set(VecF(-kInf), x, m) : x);
             });
-            const float m_new = std::max(row_max[r], reduce_max(vmax));
+            const float m_new = std::max(reduce_max(vmax), row_max[r]);  // in this order a NaN score stays NaN
             if (m_new == -kInf) {  // every key so far is padding: nothing to add
               std::fill(s, s + nk, 0.f);
               continue;
@@ -498,10 +499,14 @@ template <typename T>
 void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Batch& b, float scale,
              const Dropout& dropout, const at::Tensor& out, const at::Tensor& lse) {
 #ifdef FASTBERT_AVX512_BF16
-  // bfloat16 products wherever the forward runs on the micro-kernel (FASTBERT_CPU_BLAS=1: fp32 BLAS).
-  if constexpr (std::is_same_v<T, at::BFloat16>)
-    if (blas_sgemm(kForward) == nullptr && Bf16Products::serves(b.d, layout_of(k).row))
+  // bfloat16 products wherever the forward runs on the micro-kernel (FASTBERT_CPU_BLAS=1: fp32 BLAS);
+  // FASTBERT_CPU_BF16_DOT=0 keeps the micro-kernel on fp32 copies (as a build without avx512_bf16 does).
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    const char* env = std::getenv("FASTBERT_CPU_BF16_DOT");
+    const bool dot = env == nullptr || env[0] != '0';
+    if (dot && blas_sgemm(kForward) == nullptr && Bf16Products::serves(b.d, layout_of(k).row))
       return forward_with<T, Bf16Products>(q, k, v, b, scale, dropout, out, lse);
+  }
 #endif
   forward_with<T, Fp32Products<T>>(q, k, v, b, scale, dropout, out, lse);
 }

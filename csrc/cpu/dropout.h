@@ -51,7 +51,8 @@ inline void dropout_run(const Dropout& d, int64_t i, int64_t h, int64_t r, int64
   const uint64_t base = mix64(d.seed ^ mix64((uint64_t(i) << 32) ^ uint64_t(h)));
   // keep <=> u * 2^-24 >= p for the 24-bit u, both sides exact: u >= ceil(p * 2^24)
   const __m512i threshold = _mm512_set1_epi64((long long)std::ceil(double(d.p) * 16777216.0));
-  // Lane t hashes ((r + t * dr) << 32) | (j + t * dj) = key0 + t * step: the halves never carry.
+  // Lane t hashes ((r + t * dr) << 32) | (j + t * dj) = key0 + t * step: the halves never carry while
+  // j + n < 2^32 (j is a key or column index).
   const uint64_t step = (uint64_t(dr) << 32) | uint64_t(dj);
   __m512i key = _mm512_add_epi64(_mm512_set1_epi64((long long)((uint64_t(r) << 32) | uint64_t(j))),
                                  _mm512_mullo_epi64(_mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi64((long long)step)));

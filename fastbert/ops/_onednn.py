@@ -47,30 +47,12 @@ def packed(weight: torch.Tensor, rows_hint: int) -> torch.Tensor:
     return blocked
 
 
-def linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str = "none"):
-    """activation(x2d @ weight.T + bias) for x2d [M, K] in one oneDNN call."""
+def linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str = "none",
+           packed_weight: bool = True):
+    """activation(x2d @ weight.T + bias) for x2d [M, K] in one oneDNN call; the weight prepacked and
+    cached, or (packed_weight=False, for operands used once) read as it is, any strides."""
     attr, scalars, algorithm = POST_OPS[activation]
     # oneDNN reads the bias as a dense vector whatever its strides (a strided bias gave wrong sums).
     bias = None if bias is None else bias.contiguous()
-    return torch.ops.mkldnn._linear_pointwise(x2d, packed(weight, x2d.shape[0]), bias, attr, scalars, algorithm)
-
-
-
-# A custom op: under torch.compile the backward is traced, and Inductor lowers a bare
-# mkldnn._linear_pointwise only for weights it holds as constants (frozen inference graphs).
-@torch.library.custom_op("fastbert::linear_backward_cpu", mutates_args=())
-def linear_backward(g2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(grad of x2d, grad of weight) for x2d @ weight.T: g2d @ weight and g2d.T @ x2d as oneDNN linears
-    reading transposed views in place. For float32 only: there torch's matmul (MKL) ran these at ~225
-    GFLOP/s on the Zen 5 VM and oneDNN at ~410 (1024 x 768 x 3072); in bfloat16 torch's matmul is
-    oneDNN already and faster than this form (770 vs 556 for the weight gradient)."""
-    attr, scalars, algorithm = POST_OPS["none"]
-    g2d, x2d = g2d.contiguous(), x2d.contiguous()
-    grad_x = torch.ops.mkldnn._linear_pointwise(g2d, weight.contiguous().t(), None, attr, scalars, algorithm)
-    grad_weight = torch.ops.mkldnn._linear_pointwise(g2d.t(), x2d.t(), None, attr, scalars, algorithm)
-    return grad_x, grad_weight
-
-
-@linear_backward.register_fake
-def _(g2d, x2d, weight):
-    return x2d.new_empty(x2d.shape), weight.new_empty(weight.shape)
+    weight = packed(weight, x2d.shape[0]) if packed_weight else weight
+    return torch.ops.mkldnn._linear_pointwise(x2d, weight, bias, attr, scalars, algorithm)
