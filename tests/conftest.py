@@ -1,9 +1,14 @@
 import os
+import tempfile
 
 # The Triton interpreter must be on before triton is imported anywhere (CI sets it too).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# A compile cache of this run's own: torch's shared one (/tmp/torchinductor_$USER) can hand a checkout
+# the backward graph an earlier checkout at the same path compiled (a custom op's backward is traced from
+# Python that its cache key does not cover: seen after an op was renamed).
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="fastbert-inductor-"))
 
 import zlib  # noqa: E402
 
