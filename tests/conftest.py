@@ -1,4 +1,6 @@
+import atexit
 import os
+import shutil
 import tempfile
 
 # The Triton interpreter must be on before triton is imported anywhere (CI sets it too).
@@ -8,7 +10,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # A compile cache of this run's own: torch's shared one (/tmp/torchinductor_$USER) can hand a checkout
 # the backward graph an earlier checkout at the same path compiled (a custom op's backward is traced from
 # Python that its cache key does not cover: seen after an op was renamed).
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="fastbert-inductor-"))
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="fastbert-inductor-")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 
 import zlib  # noqa: E402
 
