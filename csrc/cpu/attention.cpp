@@ -525,8 +525,7 @@ void backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, 
   at::parallel_for(0, b.sequences * b.heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qbuf, kbuf, vbuf, gbuf, scratch, D(Lmax), LSE(Lmax), bias(Lmax), dQ(Lmax * d),
         dK(kBlockK * d), dV(kBlockK * d), P(kBlockK * kBlockQ), dP(kBlockK * kBlockQ),
-        kept(dropout.on() ? kBlockK * kBlockQ : 0), zeros(d, 0.f), row_total(kBlockQ);
-    std::vector<int64_t> dominant(kBlockQ);
+        kept(dropout.on() ? kBlockK * kBlockQ : 0), zeros(d, 0.f), row_total(kBlockQ), dominant(kBlockQ);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i = task % b.sequences, h = task / b.sequences, L = b.length[i], s0 = b.start[i];
       if (L == 0) continue;
@@ -611,16 +610,17 @@ void backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, 
             // dP - D cancels to a few ulps of D (the others' P * (dP - D) do not): take its dS as minus
             // the sum of the others instead. Property runs on short, sharp rows had q gradients at
             // 30-600x plain PyTorch's error before.
-            std::fill(dominant.begin(), dominant.begin() + nq, -1);
+            std::fill(dominant.begin(), dominant.begin() + nq, -1.f);  // key index as float (exact)
             std::fill(row_total.begin(), row_total.begin() + nq, 0.f);
             for (int64_t j = 0; j < nk; ++j)
-              for (int64_t r = 0; r < nq; ++r) {
-                row_total[r] += dP[j * nq + r];
-                if (P[j * nq + r] > 0.5f) dominant[r] = j;
-              }
+              for_vectors(nq, [&](int64_t r, int64_t m) {
+                (VecF::loadu(row_total.data() + r, m) + VecF::loadu(dP.data() + j * nq + r, m)).store(row_total.data() + r, m);
+                const VecF dom = VecF::loadu(dominant.data() + r, m);
+                VecF::blendv(dom, VecF(float(j)), VecF::loadu(P.data() + j * nq + r, m) > VecF(0.5f)).store(dominant.data() + r, m);
+              });
             for (int64_t r = 0; r < nq; ++r)
-              if (dominant[r] >= 0) {
-                float& ds = dP[dominant[r] * nq + r];
+              if (dominant[r] >= 0.f) {
+                float& ds = dP[int64_t(dominant[r]) * nq + r];
                 ds = -(row_total[r] - ds);
               }
           }
