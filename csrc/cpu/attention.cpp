@@ -305,7 +305,8 @@ inline __mmask16 lane_mask(int64_t n) { return n >= 16 ? 0xFFFF : n <= 0 ? 0 : (
 // C[M x N] = alpha * A B (+ C if accumulate), fp32 C. A: M rows of 2K bfloat16 (row stride lda elements),
 // read as K pairs. B: K rows of N pairs (uint32, row stride ldb), pair k of column n holding the two
 // elements of B's summed dimension that meet A's pair k. _mm512_dpbf16_ps adds both products of each
-// pair to an fp32 lane: two products per lane per instruction. Register block: R rows x 32 columns (2R accumulators).
+// pair to an fp32 lane: two products per lane per instruction. Register block: R rows x 32 columns
+// (2R accumulators).
 template <int R>
 void dot_rows(int64_t N, int64_t K, const c10::BFloat16* A, int64_t lda, const uint32_t* B, int64_t ldb, float* C,
               int64_t ldc, float alpha, bool accumulate) {
@@ -415,10 +416,9 @@ struct Bf16Products {
 };
 #endif
 
-// exp for the forward's probabilities. float32 takes Sleef's 1-ulp exp: the saved logsumexp must agree
-// with the backward's exp to ~1e-8, or where softmax is nearly one-hot dP - D is swamped by the
-// mismatch (exp_u20's ~1e-6 gave q gradients 1.7x the table's bound in a 1500-example property run).
-// bfloat16's 2^-9 rounding hides that, and exp_u20 is cheaper.
+// exp for the forward's probabilities. float32 keeps Sleef's 1-ulp exp, the one the backward recomputes
+// P with from the saved logsumexp (exp_u20 is ~20 ulps off); for bfloat16, whose rounding is 2^-9,
+// at::vec's cheaper exp_u20 is exact enough.
 template <typename T>
 inline VecF fast_exp(const VecF& x) {
   if constexpr (std::is_same_v<T, float>) return x.exp();
