@@ -26,7 +26,8 @@ def cases():
                    lambda h=h, r=r, w=w, c=c: F.layer_norm(h + r, (768,), w, c, 1e-12))
             wd = (torch.randn(3072, 768) * 0.03).to(dtype)
             bd = torch.randn(3072).to(dtype)
-            yield (f"dense+gelu {tokens}x768->3072", dtype, lambda h=h, wd=wd, bd=bd: ops.dense(h, wd, bd, "gelu"),
+            pw = ops.PreparedWeights()  # as the model's module keeps the packed weight
+            yield (f"dense+gelu {tokens}x768->3072", dtype, lambda h=h, wd=wd, bd=bd, pw=pw: ops.dense(h, wd, bd, "gelu", prepared=pw),
                    lambda h=h, wd=wd, bd=bd: F.gelu(F.linear(h, wd, bd)))
         for batch, seq in ((8, 128), (2, 512)):
             q, k, v = torch.randn(batch, seq, 3, 12, 64).to(dtype).permute(2, 0, 3, 1, 4).unbind(0)

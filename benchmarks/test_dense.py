@@ -5,7 +5,7 @@ import torch
 
 from conftest import DEVICE, DTYPES, dtype_id, fastbert_contenders, time_it
 from fastbert import ops
-from fastbert.ops import _onednn
+from fastbert.ops import PreparedWeights, _onednn
 
 SHAPES = [(768, 3072, "gelu"), (3072, 768, "none"), (768, 2304, "none")]  # FFN up, FFN down, QKV
 
@@ -15,11 +15,15 @@ def torch_composite(x, w, b, activation):
     return torch.nn.functional.gelu(y) if activation == "gelu" else y
 
 
-def onednn_plain(x, w, b, activation):
-    return _onednn.linear(x, w, b, "none")
+def onednn_plain(x, w, b, activation, prepared=PreparedWeights()):
+    return _onednn.linear(x, prepared.get("onednn", (w,), lambda w: _onednn.pack(w, x.shape[0])), b, "none")
 
 
-CONTENDERS = [("torch F.linear(+F.gelu)", torch_composite), *fastbert_contenders("dense", ops.dense)]
+def dense_as_a_model_calls_it(x, w, b, activation, prepared=PreparedWeights()):
+    return ops.dense(x, w, b, activation, prepared=prepared)  # the weights' owner keeps their packed copy
+
+
+CONTENDERS = [("torch F.linear(+F.gelu)", torch_composite), *fastbert_contenders("dense", dense_as_a_model_calls_it)]
 if DEVICE == "cpu" and not _onednn.missing():
     CONTENDERS.append(("oneDNN plain GEMM", onednn_plain))
 

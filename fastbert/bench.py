@@ -73,7 +73,8 @@ def gemm_rate(dtype: torch.dtype, device: str = "cpu") -> float:
     m, k, n = (1024, 768, 3072) if device == "cpu" else (8192, 8192, 8192)
     x, w = torch.randn(m, k).to(device, dtype), torch.randn(n, k).to(device, dtype)
     if device == "cpu" and not _onednn.missing():
-        fn = lambda: _onednn.linear(x, w, None)  # noqa: E731
+        blocked = _onednn.pack(w, m)
+        fn = lambda: _onednn.linear(x, blocked, None)  # noqa: E731
     else:
         fn = lambda: torch.nn.functional.linear(x, w)  # noqa: E731
     times = []

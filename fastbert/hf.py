@@ -183,26 +183,24 @@ def _encoder_sharing(hf_bert):
     return ours
 
 
-def optimize(model):
-    """Run a transformers BERT (BertModel, BertFor*, or a SentenceTransformer on BERT) on fastbert's
-    kernels, in place: the encoder's forward is replaced, the weights are shared, not copied. Returns
-    `model`. Anything unsupported raises a clear error and leaves the model untouched."""
-    import types
+class OptimizedForward:
+    """`forward` of a transformers BertModel after optimize(): an object that holds only the model it
+    serves and finds fastbert's encoder on it at call time. No closure: deepcopy and pickling copy
+    the model, this object and the encoder together, so a copy runs its own weights."""
 
-    from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
+    def __init__(self, hf_bert):
+        self.hf_bert = hf_bert
 
-    hf_bert = _hf_bert_of(model)
-    if getattr(hf_bert, "_fastbert_encoder", None) is not None:
-        return model  # already optimized
-    ours = _encoder_sharing(hf_bert)
-    transformers_forward = hf_bert.forward
+    def __call__(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, **kwargs):
+        from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
 
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, **kwargs):
+        hf_bert = self.hf_bert
         passed = {k for k, v in kwargs.items() if v is not None and v is not False}
         if input_ids is None or passed - _SERVED:
-            return transformers_forward(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-                                        position_ids=position_ids, **kwargs)
-        ours.train(self.training)
+            return type(hf_bert).forward(hf_bert, input_ids=input_ids, attention_mask=attention_mask,
+                                         token_type_ids=token_type_ids, position_ids=position_ids, **kwargs)
+        ours = hf_bert.__dict__["_fastbert_encoder"]
+        ours.train(hf_bert.training)
         out = ours(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
                    output_hidden_states=bool(kwargs.get("output_hidden_states")),
                    output_attentions=bool(kwargs.get("output_attentions")))
@@ -211,8 +209,19 @@ def optimize(model):
             hidden_states=out.hidden_states, attentions=out.attentions)
         return result if kwargs.get("return_dict", True) is not False else result.to_tuple()
 
-    hf_bert.__dict__["_fastbert_encoder"] = ours  # outside the module tree: state_dict stays HF's
-    hf_bert.forward = types.MethodType(forward, hf_bert)
+
+def optimize(model):
+    """Run a transformers BERT (BertModel, BertFor*, or a SentenceTransformer on BERT) on fastbert's
+    kernels, in place: the encoder's forward is replaced, the weights are shared, not copied. Returns
+    `model`. Anything unsupported raises a clear error and leaves the model untouched."""
+    hf_bert = _hf_bert_of(model)
+    if getattr(hf_bert, "_fastbert_encoder", None) is not None:
+        return model  # already optimized
+    ours = _encoder_sharing(hf_bert)
+    # Both outside the module tree (plain attributes): state_dict, parameters() and .to() stay HF's, and
+    # the encoder's leaf modules are HF's own, so dtype / device moves and loads reach it.
+    hf_bert.__dict__["_fastbert_encoder"] = ours
+    hf_bert.forward = OptimizedForward(hf_bert)
     return model
 
 

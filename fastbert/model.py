@@ -80,29 +80,25 @@ class BertSelfAttention(nn.Module):
         self.key = nn.Linear(config.hidden_size, config.hidden_size)
         self.value = nn.Linear(config.hidden_size, config.hidden_size)
         self.dropout_p = config.attention_probs_dropout_prob
-        self._fused = None  # (parameter versions, [3H, H] weight, [3H] bias) for inference
+        self.prepared = ops.PreparedWeights()  # the stacked QKV weight and its packed copy, for inference
 
     def fused_qkv(self):
-        """Q, K, V weights stacked [3H, H] and biases [3H]; cached while no gradient is needed, so
-        kernels that prepack weights see the same tensor call after call."""
+        """Q, K, V weights stacked [3H, H] and biases [3H]; kept in `prepared` while no gradient is
+        needed, so kernels that prepack weights see the same tensor call after call."""
         params = (self.query.weight, self.key.weight, self.value.weight, self.query.bias, self.key.bias, self.value.bias)
-        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(p.requires_grad for p in params)):
+        if torch.is_grad_enabled() and any(p.requires_grad for p in params):
             return torch.cat(params[:3]), torch.cat(params[3:])
-        key = tuple((-1 if p.is_inference() else p._version, p.data_ptr(), p.dtype, p.device) for p in params)
-        if self._fused is None or self._fused[0] != key:
-            with torch.no_grad():
-                self._fused = (key, torch.cat(params[:3]), torch.cat(params[3:]))
-        return self._fused[1], self._fused[2]
+        return self.prepared.get("qkv", params, lambda *p: (torch.cat(p[:3]), torch.cat(p[3:])))
 
     def forward(self, x, attention_mask=None, need_weights=False, packing=None):
         weight, bias = self.fused_qkv()  # [3H, H], [3H]
         p = self.dropout_p if self.training else 0.0
         if packing is not None:  # x [T, H], packed tokens
-            q, k, v = ops.qkv_projection(x, weight, bias, self.num_attention_heads)  # 3 x [T, heads, d]
+            q, k, v = ops.qkv_projection(x, weight, bias, self.num_attention_heads, self.prepared)  # 3 x [T, heads, d]
             context = ops.varlen_attention(q, k, v, packing.cu_seqlens, packing.max_seqlen, dropout_p=p)
             return context.reshape(x.shape), None  # [T, H]
         b, s, h = x.shape
-        q, k, v = ops.qkv_projection(x, weight, bias, self.num_attention_heads)  # 3 x [B, heads, S, d]
+        q, k, v = ops.qkv_projection(x, weight, bias, self.num_attention_heads, self.prepared)  # 3 x [B, heads, S, d]
         out = ops.attention(q, k, v, attention_mask, dropout_p=p, need_weights=need_weights)
         context, probs = out if need_weights else (out, None)
         return context.transpose(1, 2).reshape(b, s, h), probs  # [B, S, H], [B, heads, S, S] or None
@@ -114,9 +110,10 @@ class BertSelfOutput(nn.Module):
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout_p = config.hidden_dropout_prob
+        self.prepared = ops.PreparedWeights()
 
     def forward(self, hidden, residual):
-        y = ops.dense(hidden, self.dense.weight, self.dense.bias)
+        y = ops.dense(hidden, self.dense.weight, self.dense.bias, prepared=self.prepared)
         p = self.dropout_p if self.training else 0.0
         return ops.add_layer_norm(y, residual, self.LayerNorm.weight, self.LayerNorm.bias, self.LayerNorm.eps, p)
 
@@ -137,9 +134,10 @@ class BertIntermediate(nn.Module):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
         self.activation = dense_activation(config)
+        self.prepared = ops.PreparedWeights()
 
     def forward(self, x):
-        return ops.dense(x, self.dense.weight, self.dense.bias, activation=self.activation)  # [B, S, I]
+        return ops.dense(x, self.dense.weight, self.dense.bias, self.activation, self.prepared)  # [B, S, I]
 
 
 class BertOutput(BertSelfOutput):
@@ -189,9 +187,10 @@ class BertPooler(nn.Module):
     def __init__(self, config: BertConfig):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.prepared = ops.PreparedWeights()
 
     def forward(self, x):
-        return torch.tanh(ops.dense(x[:, 0], self.dense.weight, self.dense.bias))  # [B, H]
+        return torch.tanh(ops.dense(x[:, 0], self.dense.weight, self.dense.bias, prepared=self.prepared))  # [B, H]
 
 
 class BertPreTrainedModel(nn.Module):

@@ -3,6 +3,7 @@ from fastbert.ops.add_layer_norm import add_layer_norm
 from fastbert.ops.attention import attention, varlen_attention
 from fastbert.ops.bias_gelu import bias_gelu
 from fastbert.ops.dense import dense
+from fastbert.ops.prepared import PreparedWeights
 from fastbert.ops.qkv_projection import qkv_projection
 
-__all__ = ["add_layer_norm", "attention", "varlen_attention", "bias_gelu", "dense", "qkv_projection"]
+__all__ = ["add_layer_norm", "attention", "varlen_attention", "bias_gelu", "dense", "qkv_projection", "PreparedWeights"]

@@ -6,11 +6,14 @@ import torch
 from fastbert import dispatch
 from fastbert.ops import _checks, _onednn, reference
 from fastbert.ops import bias_gelu as _bias_gelu  # noqa: F401  (registers fastbert::bias_gelu_cpu)
+from fastbert.ops.prepared import PreparedWeights
 
 
 @dispatch.follows_autocast
-def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, activation: str = "none"):
-    """x [..., K], weight [N, K], bias [N] or None -> [..., N]; activation "none" | "gelu" | "gelu_tanh"."""
+def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, activation: str = "none",
+          prepared: PreparedWeights | None = None):
+    """x [..., K], weight [N, K], bias [N] or None -> [..., N]; activation "none" | "gelu" | "gelu_tanh".
+    `prepared`: the PreparedWeights of the module that owns `weight`, where kernels may keep a packed copy."""
     _checks.tensor("x", x, (1, 2, 3, 4))
     _checks.tensor("weight", weight, (2,))
     _checks.same_dtype_device(x=x, weight=weight, bias=bias)
@@ -21,10 +24,14 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
         _checks.shape("bias", bias, (weight.shape[0],), "weight's first dimension")
     if activation not in reference.ACTIVATIONS:
         raise ValueError(f"activation must be one of {reference.ACTIVATIONS}, got {activation!r}")
-    return dispatch.call("dense", {"tensors": (x, weight, bias)}, x, weight, bias, activation)
+    if prepared is not None and not isinstance(prepared, PreparedWeights):
+        raise ValueError(f"prepared must be a fastbert.ops.PreparedWeights or None, got {type(prepared).__name__}")
+    return dispatch.call("dense", {"tensors": (x, weight, bias)}, x, weight, bias, activation, prepared)
 
 
-dispatch.register("dense", "reference", dispatch.Support(("cpu", "cuda"), dispatch.FLOATS))(reference.dense)
+@dispatch.register("dense", "reference", dispatch.Support(("cpu", "cuda"), dispatch.FLOATS))
+def _reference(x, weight, bias, activation, prepared):
+    return reference.dense(x, weight, bias, activation)
 
 
 # ------------------------------------------------------------------------------ cpu (oneDNN GEMM)
@@ -79,8 +86,8 @@ def _cpu_backward(g2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor) ->
     float32 only: there torch's matmul (MKL) ran these at ~225 GFLOP/s on the Zen 5 VM and this at ~410
     (1024 x 768 x 3072); in bfloat16 torch's matmul is oneDNN already and faster (770 vs 556)."""
     g2d, x2d = g2d.contiguous(), x2d.contiguous()
-    grad_x = _onednn.linear(g2d, weight.contiguous().t(), None, packed_weight=False)
-    grad_weight = _onednn.linear(g2d.t(), x2d.t(), None, packed_weight=False)
+    grad_x = _onednn.linear(g2d, weight.contiguous().t(), None)
+    grad_weight = _onednn.linear(g2d.t(), x2d.t(), None)
     return grad_x, grad_weight
 
 
@@ -94,12 +101,22 @@ _cpu_forward.register_autograd(_cpu_autograd, setup_context=_cpu_setup_context)
 
 @dispatch.register("dense", "cpu", dispatch.Support(("cpu",), (torch.float32, torch.bfloat16)),
                    extra_reasons=lambda facts: _onednn.missing())
-def _cpu(x, weight, bias, activation):
+def _cpu(x, weight, bias, activation, prepared):
     if activation != "none" and bias is not None and dispatch.needs_grad(x, weight, bias):
         # Keep the pre-activation for backward: GEMM, then the bias_gelu kernel (saves x + bias's input).
         z = _cpu_forward(x, weight, None, "none")
         return torch.ops.fastbert.bias_gelu_cpu(z, bias, activation == "gelu_tanh")
-    return dispatch.entry(_cpu_forward, x, weight, bias)(x, weight, bias, activation)
+    run = dispatch.entry(_cpu_forward, x, weight, bias)
+    if run is _cpu_forward.direct and prepared is not None:  # eager, no autograd: the owner's packed weight
+        return cpu_packed(x, weight, bias, activation, prepared)
+    return run(x, weight, bias, activation)
+
+
+def cpu_packed(x, weight, bias, activation, prepared: PreparedWeights):
+    """The oneDNN linear on the copy of `weight` that `prepared` keeps in oneDNN's blocked layout."""
+    x2d = x.reshape(-1, x.shape[-1]).contiguous()
+    blocked = prepared.get("onednn", (weight,), lambda w: _onednn.pack(w, x2d.shape[0]))
+    return _onednn.linear(x2d, blocked, bias, activation).view(*x.shape[:-1], weight.shape[0])
 
 
 # ------------------------------------------------------------------------ triton (GEMM + epilogue)
@@ -144,5 +161,5 @@ _TRITON_SUPPORT = dispatch.Support(("cuda", "cpu"), (torch.float16, torch.bfloat
 
 
 @dispatch.register("dense", "triton", _TRITON_SUPPORT)
-def _triton(x, weight, bias, activation):
+def _triton(x, weight, bias, activation, prepared):
     return dispatch.entry(_triton_forward, x, weight, bias)(x, weight, bias, activation)

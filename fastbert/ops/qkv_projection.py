@@ -5,13 +5,15 @@ import torch
 
 from fastbert import dispatch
 from fastbert.ops import _checks, _onednn, reference
-from fastbert.ops.dense import _cpu_forward as _dense_cpu, linear_backward
+from fastbert.ops.dense import _cpu_forward as _dense_cpu, cpu_packed, linear_backward
+from fastbert.ops.prepared import PreparedWeights
 
 
 @dispatch.follows_autocast
-def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int):
+def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int,
+                   prepared: PreparedWeights | None = None):
     """x [B, S, H] or [T, H]; weight [3H, H] (rows: q, k, v); bias [3H].
-    Returns q, k, v, each [B, heads, S, d] (or [T, heads, d])."""
+    Returns q, k, v, each [B, heads, S, d] (or [T, heads, d]). `prepared`: as for dense."""
     _checks.tensor("x", x, (2, 3))
     _checks.tensor("weight", weight, (2,))
     _checks.same_dtype_device(x=x, weight=weight, bias=bias)
@@ -21,13 +23,15 @@ def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         _checks.shape("bias", bias, (3 * hidden,), "3 x hidden")
     if not isinstance(num_heads, int) or num_heads <= 0 or hidden % num_heads:
         raise ValueError(f"num_heads must be a positive divisor of hidden size {hidden}, got {num_heads}")
+    if prepared is not None and not isinstance(prepared, PreparedWeights):
+        raise ValueError(f"prepared must be a fastbert.ops.PreparedWeights or None, got {type(prepared).__name__}")
     inputs = {"tensors": (x, weight, bias), "head_dim": hidden // num_heads}
-    return dispatch.call("qkv_projection", inputs, x, weight, bias, num_heads)
+    return dispatch.call("qkv_projection", inputs, x, weight, bias, num_heads, prepared)
 
 
-dispatch.register("qkv_projection", "reference", dispatch.Support(("cpu", "cuda"), dispatch.FLOATS))(
-    reference.qkv_projection
-)
+@dispatch.register("qkv_projection", "reference", dispatch.Support(("cpu", "cuda"), dispatch.FLOATS))
+def _reference(x, weight, bias, num_heads, prepared):
+    return reference.qkv_projection(x, weight, bias, num_heads)
 
 
 # ------------------------------------------------------------------------------ cpu (oneDNN GEMM)
@@ -35,8 +39,12 @@ dispatch.register("qkv_projection", "reference", dispatch.Support(("cpu", "cuda"
 
 @dispatch.register("qkv_projection", "cpu", dispatch.Support(("cpu",), (torch.float32, torch.bfloat16)),
                    extra_reasons=lambda facts: _onednn.missing())
-def _cpu(x, weight, bias, num_heads):
-    qkv = dispatch.entry(_dense_cpu, x, weight, bias)(x, weight, bias, "none")  # [..., 3H], one GEMM
+def _cpu(x, weight, bias, num_heads, prepared):
+    run = dispatch.entry(_dense_cpu, x, weight, bias)
+    if run is _dense_cpu.direct and prepared is not None:  # eager, no autograd: the owner's packed weight
+        qkv = cpu_packed(x, weight, bias, "none", prepared)  # [..., 3H], one GEMM
+    else:
+        qkv = run(x, weight, bias, "none")
     head_dim = x.shape[-1] // num_heads
     if x.dim() == 3:
         b, s, _ = x.shape
@@ -90,5 +98,5 @@ _triton_forward.register_autograd(_triton_autograd, setup_context=_triton_setup_
 
 
 @dispatch.register("qkv_projection", "triton", dispatch.Support(("cuda", "cpu"), (torch.float16, torch.bfloat16, torch.float32)))
-def _triton(x, weight, bias, num_heads):
+def _triton(x, weight, bias, num_heads, prepared):
     return dispatch.entry(_triton_forward, x, weight, bias)(x, weight, bias, num_heads).unbind(0)

@@ -1,0 +1,60 @@
+"""Prepared weights: forms of a module's weights that kernels make once and reuse (the stacked QKV
+weight, oneDNN's blocked layout), owned by the module whose parameters they come from.
+
+Nothing here is keyed by `id()` or an address: an entry keeps an alias of each tensor it was made
+from, so that storage stays alive and no other tensor can take its place at the same address, and is
+served only while every source still has that storage, strides and version (an optimizer step,
+`load_state_dict` and any in-place write bump the version; `.to()`, `.data =` and `assign=True` replace
+the storage). A deepcopy or a pickle of the owner starts empty, and `state_dict` never sees it.
+Under torch.compile nothing is kept: the graph makes the form from the real parameters on every call.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import torch
+
+
+def _same(alias: torch.Tensor, version: int, tensor: torch.Tensor) -> bool:
+    return (tensor.data_ptr() == alias.data_ptr() and tensor._version == version and tensor.dtype == alias.dtype
+            and tensor.device == alias.device and tensor.shape == alias.shape and tensor.stride() == alias.stride())
+
+
+class PreparedWeights:
+    """name -> (the sources' aliases and versions, the prepared value)."""
+
+    def __init__(self):
+        self._entries: dict[str, tuple[tuple, object]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, name: str, sources: tuple[torch.Tensor, ...], make: Callable):
+        """`make(*sources)`, remembered under `name` while the sources are unchanged."""
+        if torch.compiler.is_compiling() or any(s.is_inference() for s in sources):
+            return make(*sources)  # inference tensors carry no version: nothing could tell a change
+        hit = self._entries.get(name)
+        if hit is not None and all(_same(a, v, s) for (a, v), s in zip(hit[0], sources)) and len(hit[0]) == len(sources):
+            return hit[1]
+        # Made outside inference mode so the value is an ordinary tensor (with a version) in any mode.
+        with torch.inference_mode(False), torch.no_grad():
+            value = make(*sources)
+            stamp = tuple((s.detach(), s._version) for s in sources)
+        with self._lock:
+            self._entries[name] = (stamp, value)
+        return value
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __deepcopy__(self, memo):
+        return PreparedWeights()  # the copy's weights are other tensors: nothing of ours applies to them
+
+    def __reduce__(self):
+        return (PreparedWeights, ())
+
+    def __repr__(self) -> str:
+        return f"PreparedWeights({', '.join(self._entries)})"
