@@ -142,6 +142,8 @@ TRITON_GEMM_CASES = [
     ("dense_triton", lambda: (_rand(2, 3, 24), _rand(16, 24), None, "gelu_tanh")),
     ("qkv_projection_triton", lambda: (_rand(2, 5, 32), _rand(96, 32), _rand(96), 4)),
     ("qkv_projection_triton", lambda: (_rand(7, 32), _rand(96, 32), _rand(96), 2)),
+    ("dense_triton_backward", lambda: (torch.randn(5, 40), torch.randn(5, 24), torch.randn(40, 24), torch.randn(40), "gelu")),
+    ("dense_triton_backward", lambda: (torch.randn(6, 16), torch.randn(6, 24), torch.randn(16, 24), None, "none")),
 ]
 
 

@@ -61,10 +61,10 @@ def _cpu_autograd(ctx, grad):
         # Training normally takes the unfused path below (pre-activation saved); this recomputes it.
         z = _cpu_forward(x, weight, bias, "none")
         grad = torch.ops.fastbert.bias_gelu_cpu_backward(grad, z, torch.zeros_like(weight[:, 0]), ctx.activation == "gelu_tanh")
-    return (*linear_backward(grad, x, weight, bias), None)
+    return (*cpu_linear_backward(grad, x, weight, bias), None)
 
 
-def linear_backward(grad, x, weight, bias):
+def cpu_linear_backward(grad, x, weight, bias):
     """Gradients of x @ weight.T + bias: (grad_x, grad_weight, grad_bias). float32 CPU GEMMs on oneDNN
     (where this torch has it), everything else on torch's matmul."""
     g2, x2 = grad.reshape(-1, weight.shape[0]), x.reshape(-1, x.shape[-1])
@@ -140,19 +140,48 @@ def _(x, weight, bias, activation):
 def _triton_autograd(ctx, grad):
     dispatch.note("dense.backward", "triton")
     x, weight, bias = ctx.saved_tensors
-    if ctx.activation != "none":  # recompute the pre-activation, then GELU's derivative in fp32
-        z = _triton_forward(x, weight, bias, "none").float()
-        grad = (grad.float() * reference_gelu_grad(z, ctx.activation)).to(x.dtype)
-    return (*linear_backward(grad, x, weight, bias), None)
+    grad_x, grad_weight, grad_bias = triton_linear_backward(grad, x, weight, bias, ctx.activation)
+    return grad_x, grad_weight, grad_bias if bias is not None else None, None
 
 
-def reference_gelu_grad(z: torch.Tensor, activation: str) -> torch.Tensor:
-    """d gelu(z) / dz, exact or tanh form."""
-    if activation == "gelu_tanh":
-        inner = 0.7978845608028654 * (z + 0.044715 * z**3)
-        t = torch.tanh(inner)
-        return 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * 0.7978845608028654 * (1 + 3 * 0.044715 * z * z)
-    return 0.5 * (1 + torch.erf(z * 0.7071067811865476)) + z * torch.exp(-0.5 * z * z) * 0.3989422804014327
+def triton_linear_backward(grad, x, weight, bias, activation="none"):
+    """Gradients of activation(x @ weight.T + bias), every GEMM on Triton: (grad_x, grad_weight, grad_bias;
+    grad_bias is returned even without a bias, and then ignored)."""
+    g2d = grad.reshape(-1, weight.shape[0])
+    grad_x, grad_weight, grad_bias = _triton_backward(g2d, x.reshape(-1, x.shape[-1]), weight, bias, activation)
+    return grad_x.view(x.shape), grad_weight, grad_bias
+
+
+@torch.library.custom_op("fastbert::dense_triton_backward", mutates_args=())
+def _triton_backward(g2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     activation: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from fastbert.kernels import bias_gelu as gelu_kernel
+    from fastbert.kernels import dense as kernel
+
+    m, (n, k) = x2d.shape[0], weight.shape
+    x2d, weight = x2d.contiguous(), weight.contiguous()
+    bias = torch.zeros(n, dtype=x2d.dtype, device=x2d.device) if bias is None else bias.contiguous()
+
+    def gemm(a, b, rows, cols):  # a [rows, inner] @ b [cols, inner].T, fp32 accumulation, in a's dtype
+        out = dispatch.empty((rows, cols), dtype=x2d.dtype, device=x2d.device)
+        if out.numel() == 0 or a.shape[1] == 0:  # nothing to launch; an empty sum is zero
+            return out.zero_()
+        return kernel.dense(a, b, None, "none", out)
+
+    if activation != "none":  # recompute the pre-activation; GELU's derivative applied by the bias_gelu kernel
+        z = gemm(x2d, weight, m, n)
+        g2d, _ = gelu_kernel.bias_gelu_backward(g2d.contiguous(), z, bias, activation == "gelu_tanh", empty=dispatch.empty)
+    g2d = g2d.contiguous()
+    grad_t = g2d.t().contiguous()  # [N, M]
+    grad_x = gemm(g2d, weight.t().contiguous(), m, k)  # g @ W
+    grad_weight = gemm(grad_t, x2d.t().contiguous(), n, k)  # g^T @ x
+    grad_bias = gemm(torch.ones(1, m, dtype=x2d.dtype, device=x2d.device), grad_t, 1, n).view(n)  # column sums
+    return grad_x, grad_weight, grad_bias
+
+
+@_triton_backward.register_fake
+def _(g2d, x2d, weight, bias, activation):
+    return x2d.new_empty(x2d.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape[0])
 
 
 _triton_forward.register_autograd(_triton_autograd, setup_context=_cpu_setup_context)

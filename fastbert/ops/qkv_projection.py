@@ -5,7 +5,7 @@ import torch
 
 from fastbert import dispatch
 from fastbert.ops import _checks, _onednn, reference
-from fastbert.ops.dense import _cpu_forward as _dense_cpu, cpu_packed, linear_backward
+from fastbert.ops.dense import _cpu_forward as _dense_cpu, cpu_packed, triton_linear_backward
 from fastbert.ops.prepared import PreparedWeights
 
 
@@ -91,7 +91,8 @@ def _triton_autograd(ctx, grad):
         grad_rows = grad.permute(1, 3, 0, 2, 4).reshape(*x.shape[:2], -1)  # [B, S, 3, heads, d] -> [B, S, 3H]
     else:
         grad_rows = grad.permute(1, 0, 2, 3).reshape(x.shape[0], -1)  # [T, 3, heads, d] -> [T, 3H]
-    return (*linear_backward(grad_rows, x, weight, bias), None)
+    grad_x, grad_weight, grad_bias = triton_linear_backward(grad_rows, x, weight, bias)
+    return grad_x, grad_weight, grad_bias if bias is not None else None, None
 
 
 _triton_forward.register_autograd(_triton_autograd, setup_context=_triton_setup_context)
