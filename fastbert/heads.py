@@ -58,8 +58,8 @@ class QuestionAnsweringModelOutput(ModelOutput):
     attentions: States = None
 
 
-def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return ops.dense(x, layer.weight, layer.bias)
+def linear(layer: nn.Linear, x: torch.Tensor, prepared: ops.PreparedWeights | None = None) -> torch.Tensor:
+    return ops.dense(x, layer.weight, layer.bias, prepared=prepared)
 
 
 def classifier_dropout(config: BertConfig) -> float:
@@ -75,10 +75,11 @@ class BertPredictionHeadTransform(nn.Module):
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.activation = dense_activation(config)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.prepared = ops.PreparedWeights()
 
     def forward(self, x):
         # No residual here, so a plain LayerNorm rather than the fused add_layer_norm.
-        return self.LayerNorm(ops.dense(x, self.dense.weight, self.dense.bias, activation=self.activation))
+        return self.LayerNorm(ops.dense(x, self.dense.weight, self.dense.bias, self.activation, self.prepared))
 
 
 class BertLMPredictionHead(nn.Module):
@@ -88,9 +89,10 @@ class BertLMPredictionHead(nn.Module):
         # The model ties decoder.weight to the word embeddings and decoder.bias to `bias` (tie_weights).
         self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+        self.prepared = ops.PreparedWeights()  # the decoder's packed weight, for inference
 
     def forward(self, x):
-        return linear(self.decoder, self.transform(x))  # [B, S, V]
+        return linear(self.decoder, self.transform(x), self.prepared)  # [B, S, V]
 
 
 class BertOnlyMLMHead(nn.Module):

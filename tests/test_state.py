@@ -21,7 +21,10 @@ from hf_twins import padded_batch
 
 SMALL = dict(vocab_size=120, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
              hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
-KINDS = ("fastbert", "fastbert-classifier", "transformers", "transformers-classifier", "sentence-transformers")
+KINDS = ("fastbert", "fastbert-classifier", "fastbert-masked-lm", "transformers", "transformers-classifier",
+         "sentence-transformers")
+FASTBERT_CLASSES = {"fastbert": "BertModel", "fastbert-classifier": "BertForSequenceClassification",
+                    "fastbert-masked-lm": "BertForMaskedLM"}
 
 
 class Subject:
@@ -30,7 +33,7 @@ class Subject:
     def __init__(self, kind):
         self.kind = kind
         if kind.startswith("fastbert"):
-            cls = fastbert.BertForSequenceClassification if kind.endswith("classifier") else fastbert.BertModel
+            cls = getattr(fastbert, FASTBERT_CLASSES[kind])
             self.model = cls(fastbert.BertConfig(**SMALL, num_labels=3)).eval()
             self.vocab = SMALL["vocab_size"]
         elif kind.startswith("transformers"):
@@ -50,6 +53,8 @@ class Subject:
                 out = model({"input_ids": self.ids, "attention_mask": self.mask})["sentence_embedding"]
             elif self.kind.endswith("classifier"):
                 out = model(input_ids=self.ids, attention_mask=self.mask).logits
+            elif self.kind.endswith("masked-lm"):  # pad positions are the kernels' choice (zeros when unpadded)
+                out = model(input_ids=self.ids, attention_mask=self.mask).logits[self.mask.bool()]
             else:
                 out = model(input_ids=self.ids, attention_mask=self.mask).last_hidden_state[self.mask.bool()]
         return out, calls
