@@ -1,0 +1,89 @@
+"""PreparedWeights: a prepared form is served only while its sources are the same tensors, unchanged."""
+import copy
+import pickle
+
+import pytest
+import torch
+
+from fastbert import dispatch, ops
+from fastbert.ops import PreparedWeights, reference
+from fastbert.testing import assert_close
+
+
+def counting():
+    made = []
+
+    def make(w):
+        made.append(1)
+        return w * 2
+
+    return made, make
+
+
+def test_served_while_unchanged_and_made_again_after_any_change():
+    prepared, (made, make) = PreparedWeights(), counting()
+    w = torch.randn(4, 3)
+    prepared.get("w", (w,), make)
+    prepared.get("w", (w,), make)
+    assert len(made) == 1
+    w.add_(1)  # in place: version
+    assert torch.equal(prepared.get("w", (w,), make), w * 2) and len(made) == 2
+    w.data = torch.randn(4, 3)  # new storage, same version
+    assert torch.equal(prepared.get("w", (w,), make), w * 2) and len(made) == 3
+    other = torch.randn(4, 3)  # another tensor under the same name
+    assert torch.equal(prepared.get("w", (other,), make), other * 2) and len(made) == 4
+    assert torch.equal(prepared.get("w", (w.t().contiguous().t(),), make), w * 2)  # same values, other storage
+
+
+def test_a_dead_tensor_address_is_never_served_to_a_new_one():
+    """Temporaries made one after another often land at the address the last one freed; the entry keeps
+    its source alive, so a new tensor never matches it."""
+    prepared = PreparedWeights()
+    for _ in range(20):
+        w = torch.randn(8, 8)
+        assert torch.equal(prepared.get("w", (w,), lambda t: t.clone()), w)
+        del w
+
+
+def test_copies_and_pickles_start_empty_and_never_hold_opaque_tensors():
+    prepared = PreparedWeights()
+    prepared.get("w", (torch.randn(2, 2),), lambda t: t)
+    assert len(prepared) == 1
+    assert len(copy.deepcopy(prepared)) == 0
+    assert len(pickle.loads(pickle.dumps(prepared))) == 0
+
+
+def test_inference_tensors_and_compiled_code_keep_nothing():
+    prepared, (made, make) = PreparedWeights(), counting()
+    with torch.inference_mode():
+        w = torch.randn(3, 3)  # an inference tensor: no version counter to tell a change
+    prepared.get("w", (w,), make)
+    prepared.get("w", (w,), make)
+    assert len(made) == 2 and len(prepared) == 0
+
+    @torch.compile(fullgraph=True)
+    def f(t):
+        return prepared.get("t", (t,), lambda s: s + 1)
+
+    assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0)) and len(prepared) == 0
+
+
+@pytest.mark.parametrize("op", ["dense", "qkv_projection"])
+def test_the_cpu_backend_packs_into_the_owners_prepared_weights(op):
+    if dispatch.not_supported_reasons(op, "cpu", {"tensors": (torch.ones(1),)}):
+        pytest.skip("; ".join(dispatch.not_supported_reasons(op, "cpu", {"tensors": (torch.ones(1),)})))
+    prepared = PreparedWeights()
+    x = torch.randn(5, 32)
+    for _ in range(3):  # a fresh weight each time: each result must be its own
+        w, b = torch.randn(96, 32) * 0.2, torch.randn(96)
+        with torch.no_grad(), dispatch.record() as calls, dispatch.use_backend("cpu"):
+            if op == "dense":
+                out, ref = ops.dense(x, w, b, prepared=prepared), reference.dense(x.double(), w.double(), b.double())
+            else:
+                out = torch.stack(ops.qkv_projection(x, w, b, 4, prepared))
+                ref = torch.stack(reference.qkv_projection(x.double(), w.double(), b.double(), 4))
+        assert calls == [(op, "cpu")]
+        assert "onednn" in repr(prepared)
+        assert_close(out, ref, torch.float32, "matmul", name=op)
+    with pytest.raises(ValueError, match="prepared must be a fastbert.ops.PreparedWeights"):
+        ops.dense(x, w, b, prepared={})
