@@ -9,7 +9,7 @@ import torch
 
 from fastbert import BackendUnavailable, dispatch, ops
 from fastbert.ops import reference
-from fastbert.testing import GRAD_FLOOR, assert_close, upcast
+from fastbert.testing import assert_close, grad_floor, upcast
 
 REASONS = dispatch.machine_reasons("cuda") or (() if torch.cuda.is_available() else ("no CUDA GPU",))
 pytestmark = pytest.mark.skipif(bool(REASONS), reason="cuda unavailable: " + "; ".join(REASONS))
@@ -115,7 +115,7 @@ def _assert_matches_reference(fn, ref, q, k, v, grad, args, dtype):
     naive = ref(*naive_in, *[a.cuda() if isinstance(a, torch.Tensor) else a for a in args])
     naive_grads = torch.autograd.grad(naive, naive_in, grad.cuda())
     assert_close(out.cpu(), truth, dtype, "matmul", naive=naive.cpu())
-    floor = GRAD_FLOOR * max(float(t.norm()) for t in truth_grads)
+    floor = grad_floor(dtype, truth_grads)
     for name, got, want, nv in zip(("dq", "dk", "dv"), grads, truth_grads, naive_grads):
         assert_close(got.cpu(), want, dtype, "grad", naive=nv.cpu(), name=name, floor=floor)
     return out, grads
@@ -181,7 +181,7 @@ def test_cuda_attention_dropout_matches_the_cpu_kernel(varlen, head_dim):
         out, grads = _attention(fn, inputs, [a.to(backend) if isinstance(a, torch.Tensor) else a for a in args],
                                 grad.to(backend), backend, dropout_p=0.3)
         results.append([out.detach().cpu(), *(gr.cpu() for gr in grads)])
-    floor = GRAD_FLOOR * max(float(gr.norm()) for gr in results[0][1:])
+    floor = grad_floor(torch.float32, results[0][1:])
     for i, (got, want) in enumerate(zip(results[1], results[0])):
         assert_close(got, want.double(), torch.float32, "matmul" if i == 0 else "grad", name=f"result {i}",
                      floor=floor if i else 0.0)

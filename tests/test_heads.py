@@ -8,7 +8,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 import fastbert
-from fastbert.testing import assert_same_gradients, rel_err
+from fastbert.testing import assert_matches, assert_same_gradients
 from hf_twins import padded_batch, twins
 
 CONFIG = dict(vocab_size=211, hidden_size=64, num_attention_heads=2, num_hidden_layers=2, intermediate_size=128)
@@ -67,8 +67,10 @@ def assert_same_logits(a, b, mask):
         y = getattr(b, name)
         assert x.shape == y.shape, f"{name}: shape {tuple(x.shape)} != transformers {tuple(y.shape)}"
         per_token = tuple(x.shape[:2]) == tuple(real.shape)
-        err = rel_err(x[real], y[real]) if per_token else rel_err(x, y)
-        assert err <= 1e-5, f"{name}: rel err {err:.3g}"
+        if per_token:
+            assert_matches(x[real], y[real], name=name)
+        else:
+            assert_matches(x, y, name=name)
         compared += 1
     assert compared > 0, "no logits compared"
 
@@ -92,7 +94,7 @@ def test_matches_transformers(case):
     b = theirs(input_ids=ids, attention_mask=mask, token_type_ids=types, **labels)
     assert [name for name, _ in set_fields(a)] == list(b.keys())
     assert_same_logits(a, b, mask)
-    assert rel_err(a.loss, b.loss) <= 1e-5, f"loss rel err {rel_err(a.loss, b.loss):.3g}"
+    assert_matches(a.loss, b.loss, name="loss")
     assert a[0] is a.loss and a[1] is set_fields(a)[1][1] and len(a) == len(b)
     as_tuple = ours(ids, attention_mask=mask, token_type_ids=types, return_dict=False, **labels)
     assert isinstance(as_tuple, tuple) and len(as_tuple) == len(a)
@@ -114,11 +116,11 @@ def test_hidden_states_and_attentions_pass_through(model_class):
     assert [name for name, _ in set_fields(a)] == list(b.keys())
     assert len(a.hidden_states) == len(b.hidden_states) == 3 and len(a.attentions) == len(b.attentions) == 2
     real = mask.bool()
-    for x, y in zip(a.hidden_states, b.hidden_states):
-        assert rel_err(x[real], y[real]) <= 1e-5
-    for x, y in zip(a.attentions, b.attentions):
+    for i, (x, y) in enumerate(zip(a.hidden_states, b.hidden_states)):
+        assert_matches(x[real], y[real], name=f"hidden_states[{i}]")
+    for i, (x, y) in enumerate(zip(a.attentions, b.attentions)):
         keep = real[:, None, :, None]  # rows of real queries
-        assert rel_err(x.masked_select(keep), y.masked_select(keep)) <= 1e-5
+        assert_matches(x.masked_select(keep), y.masked_select(keep), name=f"attentions[{i}]")
     assert_same_logits(a, b, mask)
 
 
@@ -134,7 +136,8 @@ def test_question_answering_inference_runs_padding_free_and_its_loss_does_not():
     assert torch.equal(a.start_logits[pads], ours.qa_outputs.bias[0].expand(int(pads.sum())))  # zero hidden states
     a = ours(ids, attention_mask=mask, token_type_ids=types, **span_positions(mask))
     b = theirs(input_ids=ids, attention_mask=mask, token_type_ids=types)
-    assert rel_err(a.start_logits, b.start_logits) <= 1e-5 and rel_err(a.end_logits, b.end_logits) <= 1e-5
+    assert_matches(a.start_logits, b.start_logits, name="start_logits")
+    assert_matches(a.end_logits, b.end_logits, name="end_logits")
 
 
 # ---------------------------------------------------------------------------------- checkpoints
@@ -232,9 +235,9 @@ def test_plain_bert_checkpoint_gives_fresh_head_with_a_warning(tmp_path, caplog,
     ids, mask, types = padded_batch(SMALL["vocab_size"], [5, 3])
     a = ours.bert(ids, attention_mask=mask, token_type_ids=types)
     b = hf(input_ids=ids, attention_mask=mask, token_type_ids=types)
-    assert rel_err(a.last_hidden_state[mask.bool()], b.last_hidden_state[mask.bool()]) <= 1e-5
+    assert_matches(a.last_hidden_state[mask.bool()], b.last_hidden_state[mask.bool()], name="last_hidden_state")
     if a.pooler_output is not None:
-        assert rel_err(a.pooler_output, b.pooler_output) <= 1e-5
+        assert_matches(a.pooler_output, b.pooler_output, name="pooler_output")
     if name in TIED:
         assert_tied(ours)
         assert torch.equal(ours.cls.predictions.decoder.weight, hf.embeddings.word_embeddings.weight)

@@ -10,7 +10,7 @@ import torch
 
 from fastbert import dispatch, ops
 from fastbert.ops import reference
-from fastbert.testing import GRAD_FLOOR, assert_close, assert_ran, poison_outputs, tolerance, upcast
+from fastbert.testing import assert_close, assert_ran, grad_floor, poison_outputs, tolerance, upcast
 from grids import skip_unless_runnable
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -60,7 +60,7 @@ def compare(op, ref, args, kind, kwargs=None, backward=True):
     n_out, n_grads = naive(ref, args, kwargs, grad_out)
     assert_close(out, t_out, dtype, kind, naive=n_out, name=f"{op} output")
     if backward:
-        floor = GRAD_FLOOR * max(float(t.norm()) for t in t_grads)
+        floor = grad_floor(dtype, t_grads)
         for i, (g, t, n) in enumerate(zip(grads, t_grads, n_grads)):
             assert_close(g, t, dtype, "grad", naive=n, name=f"{op} grad of input {i}", floor=floor)
     return out, t_out

@@ -25,7 +25,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from fastbert import dispatch, ops  # noqa: E402
 from fastbert.ops import reference  # noqa: E402
-from fastbert.testing import GRAD_FLOOR, assert_close, assert_ran, poison_outputs, upcast  # noqa: E402
+from fastbert.testing import assert_close, assert_ran, grad_floor, poison_outputs, upcast  # noqa: E402
 from grids import DTYPES, KERNEL_BACKENDS, skip_unless_runnable  # noqa: E402
 
 DEFAULT_EXAMPLES = 10
@@ -255,7 +255,7 @@ def check(op, backend, dtype, device, p):
 
     for i, (o, t, n) in enumerate(zip(outs, truth_outs, naive_outs)):
         assert_close(o, t, dtype, kind, naive=n, name=f"{op} output {i}")
-    floor = GRAD_FLOOR * max(float(t.norm()) for t in truth_grads)
+    floor = grad_floor(dtype, truth_grads)
     for i, (g, t, n) in enumerate(zip(grads, truth_grads, naive_grads)):
         assert_close(g, t, dtype, "grad", naive=n, name=f"{op} grad of input {i}", floor=floor)
 
@@ -338,6 +338,11 @@ def _sharp_cases():
                 marks = pytest.mark.xfail(reason=NOT_YET_CORRECTED, strict=False)
             elif backend == "triton" and params["mask"] == "none":  # the one triton misses, under the interpreter
                 marks = pytest.mark.xfail(reason=NOT_YET_CORRECTED, strict=True)
+            elif backend == "triton" and params["mask"] == "lengths":
+                # dq 1.4e-4 off (the table: 1e-4; plain PyTorch 1.8e-6, the cpu kernel 1.6e-6) under the
+                # interpreter. Hidden until issue 15: dq's norm is 3e-3 of dv's, and the old gradient floor
+                # (1e-2 x the largest norm) held it to an absolute bound. Not yet run compiled on a GPU.
+                marks = pytest.mark.xfail(reason=NOT_YET_CORRECTED, strict=not torch.cuda.is_available())
             yield pytest.param(backend, params, marks=marks, id=f"{backend}-s{params['seq']}d{params['head_dim']}-{params['mask']}")
 
 

@@ -14,7 +14,7 @@ import fastbert
 from fastbert import testing
 from fastbert import data, train
 from fastbert.__main__ import main
-from fastbert.testing import rel_err
+from fastbert.testing import assert_matches
 from hf_twins import twins
 from training_data import small_tokenizer, sentiment_rows, write_corpus, write_csv, write_jsonl
 
@@ -55,10 +55,10 @@ def test_training_step_matches_transformers(tmp_path):
     counts = train.step_counts(batch)
     loss_ours = train.pretraining_loss(ours, batch, counts)
     loss_theirs = train.pretraining_loss(theirs, batch, counts)
-    assert rel_err(loss_ours, loss_theirs) <= 1e-5, f"loss rel err {rel_err(loss_ours, loss_theirs):.3g}"
+    assert_matches(loss_ours, loss_theirs, name="loss")
     # The loop's loss on a whole batch is the one BertForPreTraining computes from labels.
     builtin = theirs(**batch_inputs(batch), labels=batch["labels"], next_sentence_label=batch["next_sentence_label"]).loss
-    assert rel_err(loss_theirs, builtin) <= 1e-6
+    assert_matches(loss_theirs, builtin, name="loss vs BertForPreTraining's own")
     loss_ours.backward()
     loss_theirs.backward()
     assert_same_gradients(ours, theirs)
@@ -92,7 +92,7 @@ def test_adamw_steps_match_transformers(tmp_path):
     assert sum(a[-5:]) < sum(a[:5]), f"the loss did not go down: {a}"
     worst = max(abs(x - y) / abs(y) for x, y in zip(a, b))
     print(f"20 AdamW steps: loss curves differ by at most {worst:.3g} (relative)")
-    assert worst <= 1e-4, f"loss curves differ by up to {worst:.3g} (relative):\n{a}\n{b}"
+    assert_matches(torch.tensor(a), torch.tensor(b), name="loss curve")
 
 
 # ------------------------------------------------------------------------------ gradient checkpointing
@@ -141,8 +141,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(dropout):
         torch.manual_seed(0)  # the same dropout masks; checkpointing replays them in the recomputation
         train.pretraining_loss(model, batch, train.step_counts(batch)).backward()
         grads[checkpointing] = {n: p.grad.clone() for n, p in model.named_parameters()}
-    for name, g in grads[False].items():
-        assert rel_err(grads[True][name], g) <= 1e-6, f"{name}: rel err {rel_err(grads[True][name], g):.3g}"
+    assert_same_gradients(grads[True], grads[False])
     model.gradient_checkpointing_disable()
     assert not model.is_gradient_checkpointing
 
@@ -205,7 +204,7 @@ def test_pretrain_writes_an_hf_checkpoint(tmp_path, corpus):
     assert ours.config.vocab_size == len(tok) and ours.config.hidden_size == fastbert.BertConfig.tiny().hidden_size
     enc = tok(["the cat sat on the mat ."], return_tensors="pt")
     a, b = ours(**enc), theirs(**enc)
-    assert rel_err(a.prediction_logits, b.prediction_logits) <= 1e-5
+    assert_matches(a.prediction_logits, b.prediction_logits, name="prediction_logits")
     for name, value in theirs.state_dict().items():
         assert torch.equal(ours.state_dict()[name], value), name
 
@@ -246,15 +245,20 @@ def start(tmp_path):
     return directory
 
 
-def assert_same_parameters(a, b, tol=1e-5):
-    """Every parameter within `tol` (rel err), the key bias aside: its gradient is zero in exact
-    arithmetic (softmax ignores it), so AdamW turns each run's own rounding noise into small steps.
-    It is held to 1e-2 (measured: ~7e-5 after 4 steps; every other parameter ~1e-6)."""
+def assert_same_parameters(a, b):
+    """Every parameter of run `a` equals run `b`'s (the table, as two float32 implementations), the key
+    biases aside: their gradient is zero in exact arithmetic (softmax ignores a shift shared by a row), so
+    each run's AdamW steps on them are the ratio of its own rounding noise to its square root, arbitrary
+    to the last step: nothing the two runs compute determines them (measured: 2e-5 to 4e-5 apart after 4
+    steps, every other parameter ~1e-7). That their gradients are noise on both sides is what
+    test_training_step_matches_transformers and assert_same_gradients check."""
+    compared = 0
     for name in a:
         if name.endswith("attention.self.key.bias"):
-            assert rel_err(a[name], b[name]) <= 1e-2, f"{name}: rel err {rel_err(a[name], b[name]):.3g}"
             continue
-        assert rel_err(a[name], b[name]) <= tol, f"{name}: rel err {rel_err(a[name], b[name]):.3g}"
+        assert_matches(a[name], b[name], name=name)
+        compared += 1
+    assert compared > len(a) / 2, f"only {compared} of {len(a)} parameters compared"
 
 
 def test_gradient_accumulation_matches_the_whole_batch(tmp_path, corpus, start):
@@ -265,8 +269,7 @@ def test_gradient_accumulation_matches_the_whole_batch(tmp_path, corpus, start):
     assert_same_parameters(weights(tmp_path / "one"), weights(tmp_path / "four"))
     one, four = (torch.load(tmp_path / d / "training_state.pt", weights_only=True) for d in ("one", "four"))
     for key in ("loss", "grad_norm"):  # AdamW hardly sees a gradient's scale: the norms show it is right
-        worst = max(abs(x - y) / y for x, y in zip(one[key], four[key]))
-        assert worst <= 1e-5, f"{key}: {one[key]} vs {four[key]}"
+        assert_matches(torch.tensor(four[key]), torch.tensor(one[key]), name=key)
 
 
 def test_ddp_matches_one_process(tmp_path, corpus, start):
@@ -283,8 +286,7 @@ def test_ddp_matches_one_process(tmp_path, corpus, start):
     single, ddp = (torch.load(tmp_path / d / "training_state.pt", weights_only=True) for d in ("single", "ddp"))
     # AdamW hardly sees a gradient's scale: the gradient norms show it is right.
     for key in ("loss", "grad_norm"):
-        worst = max(abs(x - y) / y for x, y in zip(single[key], ddp[key]))
-        assert worst <= 1e-5, f"{key}: {single[key]} vs {ddp[key]}"
+        assert_matches(torch.tensor(ddp[key]), torch.tensor(single[key]), name=key)
     assert_same_parameters(weights(tmp_path / "single"), weights(tmp_path / "ddp"))
 
 
@@ -378,7 +380,7 @@ def test_finetune_learns_and_reports_accuracy(tmp_path, base_model, capsys):
     ours = fastbert.BertForSequenceClassification.from_pretrained(out)
     tok = transformers.AutoTokenizer.from_pretrained(out)
     enc = tok(["a good movie", "an awful day"], padding=True, return_tensors="pt")
-    assert rel_err(ours(**enc).logits, theirs(**enc).logits) <= 1e-5
+    assert_matches(ours(**enc).logits, theirs(**enc).logits, name="logits")
     assert theirs(**enc).logits.argmax(-1).tolist() == [1, 0]
 
 

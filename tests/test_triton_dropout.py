@@ -13,7 +13,7 @@ import torch
 
 from fastbert import dispatch, ops
 from fastbert.ops import reference
-from fastbert.testing import GRAD_FLOOR, assert_close, assert_ran, poison_outputs
+from fastbert.testing import assert_close, assert_ran, grad_floor, poison_outputs
 from grids import DTYPES, skip_unless_runnable
 
 EPS = 1e-5
@@ -140,7 +140,7 @@ def test_forward_and_backward_equal_reference_with_the_same_mask(shape, dtype):
     truth, truth_grads = run([t.detach().double().requires_grad_() for t in args], grad.double())
     naive, naive_grads = run([t.detach().clone().requires_grad_() for t in args], grad)
     assert_close(out, truth, dtype, "elementwise", naive=naive, name="add_layer_norm output")
-    floor = GRAD_FLOOR * max(float(t.norm()) for t in truth_grads)
+    floor = grad_floor(dtype, truth_grads)
     for name, g, t, nv in zip(("x", "residual", "weight", "bias"), grads, truth_grads, naive_grads):
         assert_close(g, t, dtype, "grad", naive=nv, name=f"grad of {name}", floor=floor)
 
