@@ -141,6 +141,7 @@ def _attention_bwd_dkdv_kernel(
     DV,  # gradient of V (written), same shape, strides stride_dv*
     LSE,  # float32 [B, heads, S] | [heads, T] forward logsumexp, strides stride_l*
     DELTA,  # float32, LSE's shape and strides: rowsum(P * dP), from the dQ kernel
+    DS_REST,  # float32, LSE's shape and strides: the row's dS summed over all but its dominant key, from the dQ kernel
     KEY_MASK,  # uint8 [B, S], nonzero = keep the key (read only when HAS_MASK), strides stride_m*
     CU_SEQLENS,  # int32 [B + 1] token offsets of the sequences (read only when IS_VARLEN)
     SEED,  # int64 [1] dropout seed (read only when DROPOUT)
@@ -184,6 +185,7 @@ def _attention_bwd_dkdv_kernel(
     DO += b * stride_gb + h * stride_gh + start * stride_gs
     LSE += b * stride_lb + h * stride_lh + start * stride_ls
     DELTA += b * stride_lb + h * stride_lh + start * stride_ls
+    DS_REST += b * stride_lb + h * stride_lh + start * stride_ls
     if DROPOUT:
         seed = tl.load(SEED)
 
@@ -197,6 +199,7 @@ def _attention_bwd_dkdv_kernel(
         do = tl.load(DO + rows[:, None] * stride_gs + dims[None, :] * stride_gd, mask=q_mask, other=0.0)
         lse = tl.load(LSE + rows * stride_ls, mask=row_ok, other=float("inf")) * 1.4426950408889634
         delta = tl.load(DELTA + rows * stride_ls, mask=row_ok, other=0.0)
+        ds_rest = tl.load(DS_REST + rows * stride_ls, mask=row_ok, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         p = tl.exp2(tl.where(key_ok[None, :], s, float("-inf")) - lse[:, None])  # 0 for masked keys, empty rows
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # dL/d(dropped probabilities)
@@ -207,6 +210,7 @@ def _attention_bwd_dkdv_kernel(
         else:
             dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
+        ds = tl.where(p > 0.5, -ds_rest[:, None], ds)  # a row's dS sums to zero: see the dQ kernel
         dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=PRECISION)
 
     DK += b * stride_dkb + h * stride_dkh + start * stride_dks
@@ -243,6 +247,7 @@ def _attention_bwd_dq_kernel(
     DQ,  # gradient of Q (written), same shape, strides stride_dq*
     LSE,  # float32 [B, heads, S] | [heads, T] forward logsumexp, strides stride_l*
     DELTA,  # float32, LSE's shape and strides: rowsum(P * dP) (written)
+    DS_REST,  # float32, LSE's shape and strides: the row's dS summed over all but its dominant key (written)
     KEY_MASK,  # uint8 [B, S], nonzero = keep the key (read only when HAS_MASK), strides stride_m*
     CU_SEQLENS,  # int32 [B + 1] token offsets of the sequences (read only when IS_VARLEN)
     SEED,  # int64 [1] dropout seed (read only when DROPOUT)
@@ -294,13 +299,25 @@ def _attention_bwd_dq_kernel(
         delta += tl.sum(p * dp, 1)
     tl.store(DELTA + lse_at, delta, mask=row_ok)
 
+    # A row's dS sums to zero (sum P = 1). Where one key holds P > 1/2 its own dP - delta cancels to a few
+    # ulps of delta, so its dS is taken as minus the others' sum: dq = sum_j dS_j k_j - (sum_j dS_j) k_dom,
+    # k_dom gathered by a 0/1 row (zero where no key dominates), and the others' sum goes to the dK kernel.
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    k_dom = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    ds_total = tl.zeros((BLOCK_M,), tl.float32)
+    ds_dom = tl.zeros((BLOCK_M,), tl.float32)
     for n0 in range(0, length, BLOCK_N):
         k, p, dp = _probs_and_grads(q, do, lse, K, V, KEY_MASK, SEED, b, h, rows, n0, length, dims, dim_ok,
                                     stride_ks, stride_kd, stride_vs, stride_vd, stride_mb, stride_ms, num_heads,
                                     max_len, qk_scale, dropout_p, keep_scale, HAS_MASK, DROPOUT, BLOCK_N, PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
+        ds = (p * (dp - delta[:, None])).to(k.dtype)
+        dominant = p > 0.5
+        dq = tl.dot(ds, k, dq, input_precision=PRECISION)
+        k_dom = tl.dot(dominant.to(k.dtype), k, k_dom, input_precision=PRECISION)
+        ds_total += tl.sum(ds.to(tl.float32), 1)
+        ds_dom += tl.sum(tl.where(dominant, ds.to(tl.float32), 0.0), 1)
+    dq -= ds_total[:, None] * k_dom
+    tl.store(DS_REST + lse_at, ds_total - ds_dom, mask=row_ok)
 
     DQ += b * stride_dqb + h * stride_dqh + start * stride_dqs
     tl.store(DQ + rows[:, None] * stride_dqs + dims[None, :] * stride_dqd, (dq * scale).to(DQ.dtype.element_ty),
@@ -368,7 +385,8 @@ def backward(grad, q, k, v, out, lse, key_mask, cu_seqlens, max_seqlen, scale, d
     if q.numel() == 0 or sequences == 0 or max_len == 0:
         return
     block_m, block_n, block_d, warps = _config(q)
-    delta = torch.empty_like(lse)  # LSE's strides: the kernels share them; the dQ kernel writes it
+    delta = torch.empty_like(lse)  # LSE's strides: the kernels share them; the dQ kernel writes both
+    ds_rest = torch.empty_like(lse)
     cu = cu_seqlens if cu_seqlens is not None else lse
     mask, stride_mb, stride_ms = _mask_args(key_mask, lse)
     common = dict(HAS_MASK=key_mask is not None, IS_VARLEN=cu_seqlens is not None, DROPOUT=dropout_p > 0,
@@ -376,12 +394,12 @@ def backward(grad, q, k, v, out, lse, key_mask, cu_seqlens, max_seqlen, scale, d
     scalars = (heads, max_len, q.shape[-1], scale, scale * LOG2E, dropout_p, 1.0 / (1.0 - dropout_p))
     seed = seed if seed is not None else lse
     _attention_bwd_dq_kernel[(triton.cdiv(max_len, block_m), heads, sequences)](
-        q, k, v, grad, dq, lse, delta, mask, cu, seed,
+        q, k, v, grad, dq, lse, delta, ds_rest, mask, cu, seed,
         *_strides(q), *_strides(k), *_strides(v), *_strides(grad), *_strides(dq),
         *_row_strides(lse), stride_mb, stride_ms, *scalars, **common,
     )
     _attention_bwd_dkdv_kernel[(triton.cdiv(max_len, block_n), heads, sequences)](
-        q, k, v, grad, dk, dv, lse, delta, mask, cu, seed,
+        q, k, v, grad, dk, dv, lse, delta, ds_rest, mask, cu, seed,
         *_strides(q), *_strides(k), *_strides(v), *_strides(grad), *_strides(dk), *_strides(dv),
         *_row_strides(lse), stride_mb, stride_ms, *scalars, **common,
     )

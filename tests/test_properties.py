@@ -318,7 +318,7 @@ def test_varlen_reference_empty_sequences(backend):
 
 
 # Examples a 1500-example run found (q gradients past the table: a key with P near 1 has a dP - D
-# that cancels to a few ulps); they fail without the cpu backward's dominant-key correction.
+# that cancels to a few ulps); they fail without the backward's dominant-key correction.
 SHARP_SHORT_ROWS = [
     dict(batch=1, heads=1, seq=2, head_dim=64, mask="lengths", mask_dtype=torch.int64, scale=0.5, seed=1032501336),
     dict(batch=2, heads=1, seq=2, head_dim=64, mask="none", mask_dtype=torch.int64, scale=0.5, seed=1791085173),
@@ -327,7 +327,7 @@ SHARP_SHORT_ROWS = [
 ]
 
 
-NOT_YET_CORRECTED = "its backward lacks the dominant-key correction (the cpu kernel's, 2026-12-01)"
+NOT_YET_CORRECTED = "its backward lacks the dominant-key correction (the cpu and triton kernels', 2026-12-01)"
 
 
 def _sharp_cases():
@@ -336,13 +336,6 @@ def _sharp_cases():
             marks = ()
             if backend == "cuda":  # not yet run on a GPU
                 marks = pytest.mark.xfail(reason=NOT_YET_CORRECTED, strict=False)
-            elif backend == "triton" and params["mask"] == "none":  # the one triton misses, under the interpreter
-                marks = pytest.mark.xfail(reason=NOT_YET_CORRECTED, strict=True)
-            elif backend == "triton" and params["mask"] == "lengths":
-                # dq 1.4e-4 off (the table: 1e-4; plain PyTorch 1.8e-6, the cpu kernel 1.6e-6) under the
-                # interpreter. Hidden until issue 15: dq's norm is 3e-3 of dv's, and the old gradient floor
-                # (1e-2 x the largest norm) held it to an absolute bound. Not yet run compiled on a GPU.
-                marks = pytest.mark.xfail(reason=NOT_YET_CORRECTED, strict=not torch.cuda.is_available())
             yield pytest.param(backend, params, marks=marks, id=f"{backend}-s{params['seq']}d{params['head_dim']}-{params['mask']}")
 
 
