@@ -76,7 +76,7 @@ def test_cuda_bias_gelu_shapes_and_dtypes(rows, n, tanh, dtype):
     b = torch.randn(n, generator=g).to(dtype)
     xs, bs = x.cuda().requires_grad_(), b.cuda().requires_grad_()
     with dispatch.poison_outputs():
-        out = torch.ops.fastbert.bias_gelu_cpu(xs, bs, tanh)
+        out = torch.ops.fastbert.bias_gelu_cxx(xs, bs, "tanh" if tanh else "none")
     gx, gb = torch.autograd.grad(out, (xs, bs), gr.cuda())
     truth_in = [t.clone().requires_grad_() for t in upcast(x, b)]
     truth = reference.bias_gelu(*truth_in, "tanh" if tanh else "none")
@@ -201,9 +201,9 @@ def _opcheck_cases():
         return torch.randn(*shape, dtype=dtype, device="cuda").requires_grad_(grad)
 
     seed = torch.tensor([3])
-    yield "bias_gelu_cpu", (rnd(3, 16), rnd(16), False)
-    yield "bias_gelu_cpu", (rnd(3, 16, dtype=torch.float16), rnd(16, dtype=torch.float16), True)
-    yield "bias_gelu_cpu_backward", (rnd(3, 16, grad=False), rnd(3, 16, grad=False), rnd(16, grad=False), True)
+    yield "bias_gelu_cxx", (rnd(3, 16), rnd(16), "none")
+    yield "bias_gelu_cxx", (rnd(3, 16, dtype=torch.float16), rnd(16, dtype=torch.float16), "tanh")
+    yield "bias_gelu_cxx_backward", (rnd(3, 16, grad=False), rnd(3, 16, grad=False), rnd(16, grad=False), "tanh")
     yield "add_layer_norm_cpu", (rnd(4, 24), rnd(4, 24), rnd(24), rnd(24), 1e-5, 0.0, None)
     yield "add_layer_norm_cpu", (rnd(4, 300), rnd(4, 300), rnd(300), rnd(300), 1e-5, 0.25, seed)
     x, r, w, b = (rnd(4, 24, grad=False), rnd(4, 24, grad=False), rnd(24, grad=False), rnd(24, grad=False))

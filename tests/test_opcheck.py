@@ -14,8 +14,8 @@ def cpu_cases():
     mask = torch.ones(2, 5, dtype=torch.bool)
     mask[1, 3:] = False
     cu = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
-    yield "bias_gelu_cpu", (_rand(3, 16), _rand(16), False)
-    yield "bias_gelu_cpu_backward", (_rand(3, 16, grad=False), _rand(3, 16, grad=False), _rand(16, grad=False), True)
+    yield "bias_gelu_cxx", (_rand(3, 16), _rand(16), "none")
+    yield "bias_gelu_cxx_backward", (_rand(3, 16, grad=False), _rand(3, 16, grad=False), _rand(16, grad=False), "tanh")
     yield "dense_cpu", (_rand(4, 8), _rand(6, 8), _rand(6), "none")
     yield "dense_cpu", (_rand(2, 3, 8), _rand(6, 8), None, "gelu")
     yield "add_layer_norm_cpu", (_rand(4, 24), _rand(4, 24), _rand(24), _rand(24), 1e-5, 0.0, None)
@@ -70,10 +70,10 @@ def _add_layer_norm_triton_backward_args(p):
 
 
 TRITON_ELEMENTWISE_CASES = [
-    ("bias_gelu_triton-erf", lambda: (_rand(3, 20), _rand(20), False)),
-    ("bias_gelu_triton-tanh", lambda: (_rand(2, 3, 16), _rand(16), True)),
-    ("bias_gelu_triton_backward-erf", lambda: (torch.randn(3, 20), torch.randn(3, 20), torch.randn(20), False)),
-    ("bias_gelu_triton_backward-tanh", lambda: (torch.randn(3, 20), torch.randn(3, 20), torch.randn(20), True)),
+    ("bias_gelu_triton-erf", lambda: (_rand(3, 20), _rand(20), "none")),
+    ("bias_gelu_triton-tanh", lambda: (_rand(2, 3, 16), _rand(16), "tanh")),
+    ("bias_gelu_triton_backward-erf", lambda: (torch.randn(3, 20), torch.randn(3, 20), torch.randn(20), "none")),
+    ("bias_gelu_triton_backward-tanh", lambda: (torch.randn(3, 20), torch.randn(3, 20), torch.randn(20), "tanh")),
     ("add_layer_norm_triton", lambda: (_rand(4, 24), _rand(4, 24), _rand(24), _rand(24), 1e-5, 0.0, None)),
     ("add_layer_norm_triton-dropout", lambda: (_rand(2, 3, 20), _rand(2, 3, 20), _rand(20), _rand(20), 1e-5, 0.25,
                                                torch.tensor([20261130], dtype=torch.int64))),

@@ -5,6 +5,7 @@ import torch
 
 from fastbert import dispatch
 from fastbert.ops import _checks, reference
+from fastbert.ops._op import OpSpec, by_device
 
 APPROXIMATIONS = ("none", "tanh")
 
@@ -23,113 +24,58 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") ->
 
 dispatch.register("bias_gelu", "reference", dispatch.Support(("cpu", "cuda"), dispatch.FLOATS))(reference.bias_gelu)
 
+SPEC = OpSpec(
+    "bias_gelu",
+    forward_schema="(Tensor x, Tensor bias, str approximate) -> Tensor",
+    backward_schema="(Tensor grad, Tensor x, Tensor bias, str approximate) -> (Tensor, Tensor)",
+    forward_fake=lambda x, bias, approximate: x.new_empty(x.shape),
+    backward_fake=lambda grad, x, bias, approximate: (x.new_empty(x.shape), bias.new_empty(bias.shape)),
+    saved=lambda inputs, outputs: inputs,  # x, bias, approximate: the backward recomputes x + bias
+    input_grads=lambda inputs, grads: (*grads, None),
+)
 
-# ------------------------------------------------------------------------------ cpu (C++) and cuda
-# One pair of custom ops serves both compiled backends: torch.ops.fastbert_C.* dispatches on the
-# tensors' device to csrc/cpu (CPU) or csrc/cuda/bindings.cpp (CUDA; only in a CUDA build of _C).
+
+# ---------------------------------------------------------------- cxx: C++ kernels (csrc/cpu, csrc/cuda)
+# torch.ops.fastbert_C.* dispatch on the tensors' device to csrc/cpu or csrc/cuda (in a CUDA build of _C).
 
 
-@dispatch.custom_op("fastbert::bias_gelu_cpu")
-def _cpu_forward(x: torch.Tensor, bias: torch.Tensor, tanh: bool) -> torch.Tensor:
+def _cxx_forward(x, bias, approximate):
     x = x.contiguous()
     out = dispatch.empty(x.shape, dtype=x.dtype, device=x.device)
-    torch.ops.fastbert_C.bias_gelu_fwd(x, bias.contiguous(), tanh, out)
+    torch.ops.fastbert_C.bias_gelu_fwd(x, bias.contiguous(), approximate == "tanh", out)
     return out
 
 
-@torch.library.custom_op("fastbert::bias_gelu_cpu_backward", mutates_args=())
-def _cpu_backward(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, tanh: bool) -> torch.Tensor:
+def _cxx_backward(grad, x, bias, approximate):
     x = x.contiguous()
     grad_x = dispatch.empty(x.shape, dtype=x.dtype, device=x.device)
-    torch.ops.fastbert_C.bias_gelu_bwd(grad.contiguous(), x, bias.contiguous(), tanh, grad_x)
-    return grad_x
+    torch.ops.fastbert_C.bias_gelu_bwd(grad.contiguous(), x, bias.contiguous(), approximate == "tanh", grad_x)
+    # The bias gradient summed in fp32 (as the triton kernel does), returned in bias's dtype.
+    return grad_x, grad_x.reshape(-1, bias.shape[0]).sum(0, dtype=torch.float32).to(bias.dtype)
 
 
-@_cpu_forward.register_fake
-def _(x, bias, tanh):
-    return x.new_empty(x.shape)
+CXX = SPEC.kernels("cxx", _cxx_forward, _cxx_backward, by_device)
+_CXX_DTYPES = {"cpu": (torch.float32, torch.bfloat16), "cuda": (torch.float16, torch.bfloat16, torch.float32)}
+for _device in ("cpu", "cuda"):
+    dispatch.register("bias_gelu", _device, dispatch.Support((_device,), _CXX_DTYPES[_device]))(CXX)
 
 
-@_cpu_backward.register_fake
-def _(grad, x, bias, tanh):
-    return x.new_empty(x.shape)
+# ------------------------------------------------------------------------- triton (kernels/bias_gelu.py)
+# Imported on first call: a missing triton never breaks `import fastbert`.
 
 
-def _cpu_setup_context(ctx, inputs, output):
-    x, bias, tanh = inputs
-    ctx.save_for_backward(x, bias)
-    ctx.tanh = tanh
-
-
-def _cpu_autograd(ctx, grad):
-    x, bias = ctx.saved_tensors
-    dispatch.note("bias_gelu.backward", "cuda" if x.device.type == "cuda" else "cpu")
-    grad_x = _cpu_backward(grad, x, bias, ctx.tanh)
-    if x.device.type == "cuda":  # summed in fp32 (as the triton backend does), returned in bias's dtype
-        return grad_x, grad_x.reshape(-1, bias.shape[0]).sum(0, dtype=torch.float32).to(bias.dtype), None
-    return grad_x, grad_x.reshape(-1, bias.shape[0]).sum(0), None
-
-
-_cpu_forward.register_autograd(_cpu_autograd, setup_context=_cpu_setup_context)
-
-
-@dispatch.register("bias_gelu", "cpu", dispatch.Support(("cpu",), (torch.float32, torch.bfloat16)))
-def _cpu(x, bias, approximate):
-    return dispatch.entry(_cpu_forward, x, bias)(x, bias, approximate == "tanh")
-
-
-dispatch.register("bias_gelu", "cuda",
-                  dispatch.Support(("cuda",), (torch.float16, torch.bfloat16, torch.float32), dropout=True))(_cpu)
-
-
-# ------------------------------------------------------------------------------------------- triton
-# Kernels in kernels/bias_gelu.py (fastbert.kernels.bias_gelu), imported on first call: a missing
-# triton never breaks `import fastbert`. custom_op with an explicit fake (not triton_op), so eager,
-# autograd, opcheck and torch.compile(fullgraph=True) all work, under the interpreter too.
-
-
-@dispatch.custom_op("fastbert::bias_gelu_triton")
-def _triton_forward(x: torch.Tensor, bias: torch.Tensor, tanh: bool) -> torch.Tensor:
+def _triton_forward(x, bias, approximate):
     from fastbert.kernels import bias_gelu as kernel
 
-    return kernel.bias_gelu_forward(x, bias, tanh, empty=dispatch.empty)
+    return kernel.bias_gelu_forward(x, bias, approximate == "tanh", empty=dispatch.empty)
 
 
-@torch.library.custom_op("fastbert::bias_gelu_triton_backward", mutates_args=())
-def _triton_backward(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor,
-                     tanh: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _triton_backward(grad, x, bias, approximate):
     from fastbert.kernels import bias_gelu as kernel
 
-    return kernel.bias_gelu_backward(grad, x, bias, tanh, empty=dispatch.empty)
+    return kernel.bias_gelu_backward(grad, x, bias, approximate == "tanh", empty=dispatch.empty)
 
 
-@_triton_forward.register_fake
-def _(x, bias, tanh):
-    return x.new_empty(x.shape)
-
-
-@_triton_backward.register_fake
-def _(grad, x, bias, tanh):
-    return x.new_empty(x.shape), bias.new_empty(bias.shape)
-
-
-def _triton_setup_context(ctx, inputs, output):
-    x, bias, tanh = inputs
-    ctx.save_for_backward(x, bias)
-    ctx.tanh = tanh
-
-
-def _triton_autograd(ctx, grad):
-    dispatch.note("bias_gelu.backward", "triton")
-    x, bias = ctx.saved_tensors
-    grad_x, grad_bias = _triton_backward(grad, x, bias, ctx.tanh)
-    return grad_x, grad_bias, None
-
-
-_triton_forward.register_autograd(_triton_autograd, setup_context=_triton_setup_context)
-
-
-@dispatch.register("bias_gelu", "triton",
-                   dispatch.Support(("cuda", "cpu"), (torch.float16, torch.bfloat16, torch.float32)))
-def _triton(x, bias, approximate):
-    return dispatch.entry(_triton_forward, x, bias)(x, bias, approximate == "tanh")
+TRITON = SPEC.kernels("triton", _triton_forward, _triton_backward, "triton")
+dispatch.register("bias_gelu", "triton",
+                  dispatch.Support(("cuda", "cpu"), (torch.float16, torch.bfloat16, torch.float32)))(TRITON)

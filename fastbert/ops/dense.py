@@ -5,7 +5,7 @@ import torch
 
 from fastbert import dispatch
 from fastbert.ops import _checks, _onednn, reference
-from fastbert.ops import bias_gelu as _bias_gelu  # noqa: F401  (registers fastbert::bias_gelu_cpu)
+from fastbert.ops.bias_gelu import CXX as bias_gelu_cxx
 from fastbert.ops.prepared import PreparedWeights
 
 
@@ -60,7 +60,7 @@ def _cpu_autograd(ctx, grad):
     if ctx.activation != "none":
         # Training normally takes the unfused path below (pre-activation saved); this recomputes it.
         z = _cpu_forward(x, weight, bias, "none")
-        grad = torch.ops.fastbert.bias_gelu_cpu_backward(grad, z, torch.zeros_like(weight[:, 0]), ctx.activation == "gelu_tanh")
+        grad, _ = bias_gelu_cxx.backward(grad, z, torch.zeros_like(weight[:, 0]), approximation(ctx.activation))
     return (*cpu_linear_backward(grad, x, weight, bias), None)
 
 
@@ -105,11 +105,16 @@ def _cpu(x, weight, bias, activation, prepared):
     if activation != "none" and bias is not None and dispatch.needs_grad(x, weight, bias):
         # Keep the pre-activation for backward: GEMM, then the bias_gelu kernel (saves x + bias's input).
         z = _cpu_forward(x, weight, None, "none")
-        return torch.ops.fastbert.bias_gelu_cpu(z, bias, activation == "gelu_tanh")
+        return bias_gelu_cxx(z, bias, approximation(activation))
     run = dispatch.entry(_cpu_forward, x, weight, bias)
     if run is _cpu_forward.direct and prepared is not None:  # eager, no autograd: the owner's packed weight
         return cpu_packed(x, weight, bias, activation, prepared)
     return run(x, weight, bias, activation)
+
+
+def approximation(activation: str) -> str:
+    """The bias_gelu op's `approximate` for a dense `activation` ("gelu" or "gelu_tanh")."""
+    return "tanh" if activation == "gelu_tanh" else "none"
 
 
 def cpu_packed(x, weight, bias, activation, prepared: PreparedWeights):
