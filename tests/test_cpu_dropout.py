@@ -99,7 +99,7 @@ def test_add_layer_norm_dropout_equals_reference_with_the_same_mask(dtype):
     w = (1 + 0.1 * torch.randn(n)).to(dtype).requires_grad_()
     b = torch.randn(n).to(dtype).requires_grad_()
     with dispatch.poison_outputs():
-        out = torch.ops.fastbert.add_layer_norm_cpu(x, r, w, b, 1e-5, P, torch.tensor([seed]))[0]
+        out = torch.ops.fastbert.add_layer_norm_cxx(x, r, w, b, 1e-5, P, torch.tensor([seed]))[0]
     grad = torch.randn_like(out)
     grads = torch.autograd.grad(out, (x, r, w, b), grad)
     keep = keep_mask(seed, 1, 1, rows, n)[0, 0]

@@ -19,7 +19,7 @@ SIZES = [(1, 3), (7, 32), (5, 200), (3, 256), (9, 257), (4, 768), (33, 1000), (2
 
 def _aln(x, r, w, b, p, seed):
     seed_t = torch.tensor([seed]) if p > 0 else None
-    return torch.ops.fastbert.add_layer_norm_cpu(x, r, w, b, 1e-5, p, seed_t)
+    return torch.ops.fastbert.add_layer_norm_cxx(x, r, w, b, 1e-5, p, seed_t)
 
 
 @pytest.mark.parametrize("rows,n", SIZES)
@@ -204,11 +204,11 @@ def _opcheck_cases():
     yield "bias_gelu_cxx", (rnd(3, 16), rnd(16), "none")
     yield "bias_gelu_cxx", (rnd(3, 16, dtype=torch.float16), rnd(16, dtype=torch.float16), "tanh")
     yield "bias_gelu_cxx_backward", (rnd(3, 16, grad=False), rnd(3, 16, grad=False), rnd(16, grad=False), "tanh")
-    yield "add_layer_norm_cpu", (rnd(4, 24), rnd(4, 24), rnd(24), rnd(24), 1e-5, 0.0, None)
-    yield "add_layer_norm_cpu", (rnd(4, 300), rnd(4, 300), rnd(300), rnd(300), 1e-5, 0.25, seed)
+    yield "add_layer_norm_cxx", (rnd(4, 24), rnd(4, 24), rnd(24), rnd(24), 1e-5, 0.0, None)
+    yield "add_layer_norm_cxx", (rnd(4, 300), rnd(4, 300), rnd(300), rnd(300), 1e-5, 0.25, seed)
     x, r, w, b = (rnd(4, 24, grad=False), rnd(4, 24, grad=False), rnd(24, grad=False), rnd(24, grad=False))
-    _, mean, rstd = torch.ops.fastbert.add_layer_norm_cpu(x, r, w, b, 1e-5, 0.25, seed)
-    yield "add_layer_norm_cpu_backward", (rnd(4, 24, grad=False), x, r, w, mean, rstd, 0.25, seed)
+    _, mean, rstd = torch.ops.fastbert.add_layer_norm_cxx(x, r, w, b, 1e-5, 0.25, seed)
+    yield "add_layer_norm_cxx_backward", (rnd(4, 24, grad=False), x, r, w, mean, rstd, 0.25, seed)
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool, device="cuda")
     cu = torch.tensor([0, 4, 4, 9], dtype=torch.int32, device="cuda")
     yield "attention_cpu", (rnd(2, 3, 5, 16), rnd(2, 3, 5, 16), rnd(2, 3, 5, 16), mask, None, 0.25, 0.0, None)

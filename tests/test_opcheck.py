@@ -18,8 +18,8 @@ def cpu_cases():
     yield "bias_gelu_cxx_backward", (_rand(3, 16, grad=False), _rand(3, 16, grad=False), _rand(16, grad=False), "tanh")
     yield "dense_cpu", (_rand(4, 8), _rand(6, 8), _rand(6), "none")
     yield "dense_cpu", (_rand(2, 3, 8), _rand(6, 8), None, "gelu")
-    yield "add_layer_norm_cpu", (_rand(4, 24), _rand(4, 24), _rand(24), _rand(24), 1e-5, 0.0, None)
-    yield "add_layer_norm_cpu", (_rand(4, 24), _rand(4, 24), _rand(24), _rand(24), 1e-5, 0.25, torch.tensor([3]))
+    yield "add_layer_norm_cxx", (_rand(4, 24), _rand(4, 24), _rand(24), _rand(24), 1e-5, 0.0, None)
+    yield "add_layer_norm_cxx", (_rand(4, 24), _rand(4, 24), _rand(24), _rand(24), 1e-5, 0.25, torch.tensor([3]))
     yield "attention_cpu", (_rand(2, 3, 5, 16), _rand(2, 3, 5, 16), _rand(2, 3, 5, 16), mask, None, 0.25, 0.0, None)
     yield "attention_cpu", (_rand(9, 2, 16), _rand(9, 2, 16), _rand(9, 2, 16), None, cu, 0.25, 0.0, None)
     yield "attention_cpu", (_rand(2, 3, 5, 16), _rand(2, 3, 5, 16), _rand(2, 3, 5, 16), mask, None, 0.25, 0.2,
@@ -43,8 +43,8 @@ def backward_cases():
     out, lse = torch.ops.fastbert.attention_cpu(q, k, v, mask, None, 0.25, 0.0, None)
     yield "attention_cpu_backward", (torch.randn(2, 3, 5, 16), q, k, v, out, lse, mask, None, 0.25, 0.0, None)
     x, r, w, b = torch.randn(4, 24), torch.randn(4, 24), torch.randn(24), torch.randn(24)
-    _, mean, rstd = torch.ops.fastbert.add_layer_norm_cpu(x, r, w, b, 1e-5, 0.0, None)
-    yield "add_layer_norm_cpu_backward", (torch.randn(4, 24), x, r, w, mean, rstd, 0.0, None)
+    _, mean, rstd = torch.ops.fastbert.add_layer_norm_cxx(x, r, w, b, 1e-5, 0.0, None)
+    yield "add_layer_norm_cxx_backward", (torch.randn(4, 24), x, r, w, mean, rstd, 0.0, None)
     yield "dense_cpu_backward", (torch.randn(7, 6), torch.randn(7, 8), torch.randn(6, 8))
 
 
