@@ -50,7 +50,7 @@ def test_padded_attention_dropout_equals_reference_with_the_same_mask(dtype):
     key_mask = torch.arange(s)[None] < torch.tensor([s, 20, 1])[:, None]
     scale = d**-0.5
     with dispatch.poison_outputs():
-        out, _ = torch.ops.fastbert.attention_cpu(q, k, v, key_mask, None, scale, P, torch.tensor(seed))
+        out, _ = torch.ops.fastbert.attention_cxx(q, k, v, key_mask, None, q.shape[2], scale, P, torch.tensor(seed))
     grad = torch.randn_like(out)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad)
     keep = keep_mask(seed, b, h, s, s)
@@ -69,7 +69,7 @@ def test_varlen_attention_dropout_equals_reference_with_the_same_mask():
     lengths, h, d, seed = [5, 1, 12], 2, 16, 5
     cu = torch.tensor([0, 5, 6, 18], dtype=torch.int32)
     q, k, v = (torch.randn(sum(lengths), h, d, dtype=torch.float64).float().requires_grad_() for _ in range(3))
-    out, _ = torch.ops.fastbert.attention_cpu(q, k, v, None, cu, d**-0.5, P, torch.tensor(seed))
+    out, _ = torch.ops.fastbert.attention_cxx(q, k, v, None, cu, max(lengths), d**-0.5, P, torch.tensor(seed))
     keep = keep_mask(seed, len(lengths), h, max(lengths), max(lengths))
     expected = []
     for i, (start, n) in enumerate(zip(cu[:-1].tolist(), lengths)):

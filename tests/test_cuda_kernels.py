@@ -190,7 +190,7 @@ def test_cuda_attention_dropout_matches_the_cpu_kernel(varlen, head_dim):
 def test_cuda_attention_rejects_head_dims_over_128_clearly():
     q = torch.randn(1, 1, 4, 160, device="cuda")
     with pytest.raises(RuntimeError, match="head_dim 1 to 128, got head_dim 160"):
-        torch.ops.fastbert.attention_cpu(q, q, q, None, None, 0.1, 0.0, None)
+        torch.ops.fastbert.attention_cxx(q, q, q, None, None, q.shape[2], 0.1, 0.0, None)
     with pytest.raises(BackendUnavailable, match=r"head_dim 160 \(supported: 1 to 128\)"):
         with dispatch.use_backend("cuda"):
             ops.attention(q, q, q)
@@ -211,11 +211,11 @@ def _opcheck_cases():
     yield "add_layer_norm_cxx_backward", (rnd(4, 24, grad=False), x, r, w, mean, rstd, 0.25, seed)
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool, device="cuda")
     cu = torch.tensor([0, 4, 4, 9], dtype=torch.int32, device="cuda")
-    yield "attention_cpu", (rnd(2, 3, 5, 16), rnd(2, 3, 5, 16), rnd(2, 3, 5, 16), mask, None, 0.25, 0.0, None)
-    yield "attention_cpu", (rnd(9, 2, 16), rnd(9, 2, 16), rnd(9, 2, 16), None, cu, 0.25, 0.2, seed)
+    yield "attention_cxx", (rnd(2, 3, 5, 16), rnd(2, 3, 5, 16), rnd(2, 3, 5, 16), mask, None, 5, 0.25, 0.0, None)
+    yield "attention_cxx", (rnd(9, 2, 16), rnd(9, 2, 16), rnd(9, 2, 16), None, cu, 9, 0.25, 0.2, seed)
     q, k, v = (rnd(2, 3, 5, 16, grad=False) for _ in range(3))
-    out, lse = torch.ops.fastbert.attention_cpu(q, k, v, mask, None, 0.25, 0.2, seed)
-    yield "attention_cpu_backward", (rnd(2, 3, 5, 16, grad=False), q, k, v, out, lse, mask, None, 0.25, 0.2, seed)
+    out, lse = torch.ops.fastbert.attention_cxx(q, k, v, mask, None, 5, 0.25, 0.2, seed)
+    yield "attention_cxx_backward", (rnd(2, 3, 5, 16, grad=False), q, k, v, out, lse, mask, None, 5, 0.25, 0.2, seed)
 
 
 @pytest.mark.parametrize("index", range(9))

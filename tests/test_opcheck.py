@@ -20,9 +20,9 @@ def cpu_cases():
     yield "dense_cpu", (_rand(2, 3, 8), _rand(6, 8), None, "gelu")
     yield "add_layer_norm_cxx", (_rand(4, 24), _rand(4, 24), _rand(24), _rand(24), 1e-5, 0.0, None)
     yield "add_layer_norm_cxx", (_rand(4, 24), _rand(4, 24), _rand(24), _rand(24), 1e-5, 0.25, torch.tensor([3]))
-    yield "attention_cpu", (_rand(2, 3, 5, 16), _rand(2, 3, 5, 16), _rand(2, 3, 5, 16), mask, None, 0.25, 0.0, None)
-    yield "attention_cpu", (_rand(9, 2, 16), _rand(9, 2, 16), _rand(9, 2, 16), None, cu, 0.25, 0.0, None)
-    yield "attention_cpu", (_rand(2, 3, 5, 16), _rand(2, 3, 5, 16), _rand(2, 3, 5, 16), mask, None, 0.25, 0.2,
+    yield "attention_cxx", (_rand(2, 3, 5, 16), _rand(2, 3, 5, 16), _rand(2, 3, 5, 16), mask, None, 5, 0.25, 0.0, None)
+    yield "attention_cxx", (_rand(9, 2, 16), _rand(9, 2, 16), _rand(9, 2, 16), None, cu, 9, 0.25, 0.0, None)
+    yield "attention_cxx", (_rand(2, 3, 5, 16), _rand(2, 3, 5, 16), _rand(2, 3, 5, 16), mask, None, 5, 0.25, 0.2,
                             torch.tensor([42]))
 
 
@@ -40,8 +40,8 @@ def backward_cases():
     mask = torch.ones(2, 5, dtype=torch.bool)
     mask[0, 2:] = False
     q, k, v = (torch.randn(2, 3, 5, 16) for _ in range(3))
-    out, lse = torch.ops.fastbert.attention_cpu(q, k, v, mask, None, 0.25, 0.0, None)
-    yield "attention_cpu_backward", (torch.randn(2, 3, 5, 16), q, k, v, out, lse, mask, None, 0.25, 0.0, None)
+    out, lse = torch.ops.fastbert.attention_cxx(q, k, v, mask, None, 5, 0.25, 0.0, None)
+    yield "attention_cxx_backward", (torch.randn(2, 3, 5, 16), q, k, v, out, lse, mask, None, 5, 0.25, 0.0, None)
     x, r, w, b = torch.randn(4, 24), torch.randn(4, 24), torch.randn(24), torch.randn(24)
     _, mean, rstd = torch.ops.fastbert.add_layer_norm_cxx(x, r, w, b, 1e-5, 0.0, None)
     yield "add_layer_norm_cxx_backward", (torch.randn(4, 24), x, r, w, mean, rstd, 0.0, None)

@@ -5,6 +5,7 @@ import torch
 
 from fastbert import dispatch
 from fastbert.ops import _checks, reference
+from fastbert.ops._op import OpSpec, by_device
 from fastbert.ops._seed import dropout_seed, seed_int
 
 
@@ -66,11 +67,6 @@ dispatch.register("varlen_attention", "reference", dispatch.Support(("cpu", "cud
 )
 
 
-# ------------------------------------------------------------------------------ cpu (C++) and cuda
-# One pair of custom ops serves both compiled backends: torch.ops.fastbert_C.attention_fwd/bwd dispatch
-# on the tensors' device to csrc/cpu/attention.cpp or csrc/cuda/attention.cu (only in a CUDA build of _C).
-
-
 def _head_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -87,12 +83,31 @@ def _lse_shape(q: torch.Tensor) -> tuple[int, ...]:
     return tuple(q.shape[:3]) if q.dim() == 4 else (q.shape[1], q.shape[0])  # [B, heads, S] | [heads, T]
 
 
-# The dropout seed travels as a tensor (drawn from torch's generator, so torch.manual_seed reproduces
-# it) and the kernel hashes keep decisions from it: backward regenerates the mask, nothing else is saved.
-@dispatch.custom_op("fastbert::attention_cpu")
-def _cpu_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
-                 cu_seqlens: torch.Tensor | None, scale: float, dropout_p: float,
-                 seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+# q, k, v [B, heads, S, d] with key_mask bool [B, S] (or None), or packed [T, heads, d] with cu_seqlens
+# int32 [B + 1] and max_seqlen. The dropout seed travels as a tensor (drawn from torch's generator, so
+# torch.manual_seed reproduces it) and the kernels hash keep decisions from it: backward regenerates the
+# mask, nothing else is saved. Outputs: out (q's shape) and the logsumexp lse, float32 [B, heads, S] | [heads, T].
+SPEC = OpSpec(
+    "attention",
+    forward_schema="(Tensor q, Tensor k, Tensor v, Tensor? key_mask, Tensor? cu_seqlens, int max_seqlen, "
+                   "float scale, float dropout_p, Tensor? seed) -> (Tensor, Tensor)",
+    backward_schema="(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? key_mask, "
+                    "Tensor? cu_seqlens, int max_seqlen, float scale, float dropout_p, Tensor? seed) "
+                    "-> (Tensor, Tensor, Tensor)",
+    forward_fake=lambda q, *rest: (_empty_output(q, torch.empty), q.new_empty(_lse_shape(q), dtype=torch.float32)),
+    backward_fake=lambda grad, q, *rest: tuple(_empty_output(q, torch.empty) for _ in range(3)),
+    saved=lambda inputs, outputs: (*inputs[:3], *outputs, *inputs[3:]),
+    input_grads=lambda inputs, grads: (*grads, None, None, None, None, None, None),
+    recorded_as=lambda saved: "attention" if saved[0].dim() == 4 else "varlen_attention",
+)
+
+
+# ---------------------------------------------------------------- cxx: C++ kernels (csrc/cpu, csrc/cuda)
+# torch.ops.fastbert_C.attention_fwd/bwd dispatch on the tensors' device to csrc/cpu/attention.cpp or
+# csrc/cuda/attention.cu (in a CUDA build of _C). They need no max_seqlen; the CUDA backward reads `out`.
+
+
+def _cxx_forward(q, k, v, key_mask, cu_seqlens, max_seqlen, scale, dropout_p, seed):
     q, k, v = (_head_dim_contiguous(t) for t in (q, k, v))
     out = _empty_output(q)
     lse = dispatch.empty(_lse_shape(q), dtype=torch.float32, device=q.device)
@@ -100,15 +115,7 @@ def _cpu_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: to
     return out, lse
 
 
-@_cpu_forward.register_fake
-def _(q, k, v, key_mask, cu_seqlens, scale, dropout_p, seed):
-    return _empty_output(q, torch.empty), q.new_empty(_lse_shape(q), dtype=torch.float32)
-
-
-@torch.library.custom_op("fastbert::attention_cpu_backward", mutates_args=())
-def _cpu_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                  lse: torch.Tensor, key_mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
-                  scale: float, dropout_p: float, seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _cxx_backward(grad, q, k, v, out, lse, key_mask, cu_seqlens, max_seqlen, scale, dropout_p, seed):
     grad, q, k, v, out = (_head_dim_contiguous(t) for t in (grad, q, k, v, out))
     dq, dk, dv = _empty_output(q), _empty_output(q), _empty_output(q)
     torch.ops.fastbert_C.attention_bwd(grad, q, k, v, out, lse, key_mask, cu_seqlens, scale, dropout_p,
@@ -116,106 +123,21 @@ def _cpu_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     return dq, dk, dv
 
 
-@_cpu_backward.register_fake
-def _(grad, q, k, v, out, lse, key_mask, cu_seqlens, scale, dropout_p, seed):
-    return _empty_output(q, torch.empty), _empty_output(q, torch.empty), _empty_output(q, torch.empty)
+CXX = SPEC.kernels("cxx", _cxx_forward, _cxx_backward, by_device)
 
 
-def _cpu_setup_context(ctx, inputs, output):
-    q, k, v, key_mask, cu_seqlens, scale, dropout_p, seed = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, key_mask, cu_seqlens, seed)
-    ctx.scale, ctx.dropout_p = scale, dropout_p
-
-
-def _cpu_autograd(ctx, grad, _grad_lse):
-    q, k, v, out, lse, key_mask, cu_seqlens, seed = ctx.saved_tensors
-    dispatch.note(("attention" if q.dim() == 4 else "varlen_attention") + ".backward", "cuda" if q.is_cuda else "cpu")
-    dq, dk, dv = _cpu_backward(grad, q, k, v, out, lse, key_mask, cu_seqlens, ctx.scale, ctx.dropout_p, seed)
-    return dq, dk, dv, None, None, None, None, None
-
-
-_cpu_forward.register_autograd(_cpu_autograd, setup_context=_cpu_setup_context)
-
-_CPU_SUPPORT = dispatch.Support(("cpu",), (torch.float32, torch.bfloat16))
-
-
-@dispatch.register("attention", "cpu", _CPU_SUPPORT)
-def _cpu(q, k, v, attention_mask, dropout_p, scale, need_weights):
+def _cxx(q, k, v, attention_mask, dropout_p, scale, need_weights):
     key_mask = None if attention_mask is None else attention_mask.bool().contiguous()
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    forward = dispatch.entry(_cpu_forward, q, k, v)
-    return forward(q, k, v, key_mask, None, scale, dropout_p, dropout_seed(dropout_p))[0]
+    # On CUDA too the seed stays on the CPU: one seed keeps the same elements on both devices, and reading
+    # it into the kernel's arguments never waits for the GPU.
+    return CXX(q, k, v, key_mask, None, q.shape[2], scale, dropout_p, dropout_seed(dropout_p))[0]
 
 
-@dispatch.register("varlen_attention", "cpu", _CPU_SUPPORT)
-def _cpu_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale):
+def _cxx_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale):
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    forward = dispatch.entry(_cpu_forward, q, k, v)
-    return forward(q, k, v, None, cu_seqlens, scale, dropout_p, dropout_seed(dropout_p))[0]
+    return CXX(q, k, v, None, cu_seqlens, max_seqlen, scale, dropout_p, dropout_seed(dropout_p))[0]
 
-
-# ------------------------------------------------------------------------------------------ triton
-# Kernels in fastbert/kernels/attention.py, imported inside the ops: a missing triton must never
-# break `import fastbert`. The op takes the dropout seed as a tensor, so it is a pure function of its
-# inputs (backward regenerates the same mask; opcheck and torch.compile see no hidden state).
-
-
-def _key_bytes(key_mask: torch.Tensor | None) -> torch.Tensor | None:
-    return None if key_mask is None else key_mask.view(torch.uint8)  # a bool [B, S] read as bytes, no copy
-
-
-@dispatch.custom_op("fastbert::attention_triton")
-def _triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
-                    cu_seqlens: torch.Tensor | None, max_seqlen: int, scale: float, dropout_p: float,
-                    seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    from fastbert.kernels import attention as kernels
-
-    out = _empty_output(q)
-    lse = dispatch.empty(_lse_shape(q), dtype=torch.float32, device=q.device)
-    kernels.forward(q, k, v, _key_bytes(key_mask), cu_seqlens, max_seqlen, scale, dropout_p, seed, out, lse)
-    return out, lse
-
-
-@_triton_forward.register_fake
-def _(q, k, v, key_mask, cu_seqlens, max_seqlen, scale, dropout_p, seed):
-    return _empty_output(q, torch.empty), q.new_empty(_lse_shape(q), dtype=torch.float32)
-
-
-@torch.library.custom_op("fastbert::attention_triton_backward", mutates_args=())
-def _triton_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                     lse: torch.Tensor, key_mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
-                     max_seqlen: int, scale: float, dropout_p: float,
-                     seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from fastbert.kernels import attention as kernels
-
-    dq, dk, dv = _empty_output(q), _empty_output(q), _empty_output(q)
-    kernels.backward(grad, q, k, v, out, lse, _key_bytes(key_mask), cu_seqlens, max_seqlen, scale, dropout_p, seed,
-                     dq, dk, dv)
-    return dq, dk, dv
-
-
-@_triton_backward.register_fake
-def _(grad, q, k, v, out, lse, key_mask, cu_seqlens, max_seqlen, scale, dropout_p, seed):
-    return _empty_output(q, torch.empty), _empty_output(q, torch.empty), _empty_output(q, torch.empty)
-
-
-def _triton_setup_context(ctx, inputs, output):
-    q, k, v, key_mask, cu_seqlens, max_seqlen, scale, dropout_p, seed = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, key_mask, cu_seqlens, seed)
-    ctx.max_seqlen, ctx.scale, ctx.dropout_p = max_seqlen, scale, dropout_p
-
-
-def _triton_autograd(ctx, grad, _grad_lse):
-    q, k, v, out, lse, key_mask, cu_seqlens, seed = ctx.saved_tensors
-    dispatch.note(("attention" if q.dim() == 4 else "varlen_attention") + ".backward", "triton")
-    dq, dk, dv = _triton_backward(grad, q, k, v, out, lse, key_mask, cu_seqlens, ctx.max_seqlen, ctx.scale,
-                                  ctx.dropout_p, seed)
-    return dq, dk, dv, None, None, None, None, None, None
-
-
-_triton_forward.register_autograd(_triton_autograd, setup_context=_triton_setup_context)
 
 MAX_HEAD_DIM = 128  # the triton and cuda kernels' widest head
 
@@ -226,6 +148,42 @@ def _head_dim_reasons(f: dispatch.Facts) -> list[str]:
     return []
 
 
+_CPU_SUPPORT = dispatch.Support(("cpu",), (torch.float32, torch.bfloat16))
+# CUDA: fp32 FMA tiles for now, no tensor cores.
+_CUDA_SUPPORT = dispatch.Support(("cuda",), (torch.float16, torch.bfloat16, torch.float32))
+dispatch.register("attention", "cpu", _CPU_SUPPORT)(_cxx)
+dispatch.register("varlen_attention", "cpu", _CPU_SUPPORT)(_cxx_varlen)
+dispatch.register("attention", "cuda", _CUDA_SUPPORT, _head_dim_reasons)(_cxx)
+dispatch.register("varlen_attention", "cuda", _CUDA_SUPPORT, _head_dim_reasons)(_cxx_varlen)
+
+
+# ------------------------------------------------------------------------- triton (kernels/attention.py)
+# Imported on first call: a missing triton never breaks `import fastbert`.
+
+
+def _key_bytes(key_mask: torch.Tensor | None) -> torch.Tensor | None:
+    return None if key_mask is None else key_mask.view(torch.uint8)  # a bool [B, S] read as bytes, no copy
+
+
+def _triton_forward(q, k, v, key_mask, cu_seqlens, max_seqlen, scale, dropout_p, seed):
+    from fastbert.kernels import attention as kernels
+
+    out = _empty_output(q)
+    lse = dispatch.empty(_lse_shape(q), dtype=torch.float32, device=q.device)
+    kernels.forward(q, k, v, _key_bytes(key_mask), cu_seqlens, max_seqlen, scale, dropout_p, seed, out, lse)
+    return out, lse
+
+
+def _triton_backward(grad, q, k, v, out, lse, key_mask, cu_seqlens, max_seqlen, scale, dropout_p, seed):
+    from fastbert.kernels import attention as kernels
+
+    dq, dk, dv = _empty_output(q), _empty_output(q), _empty_output(q)
+    kernels.backward(grad, q, k, v, out, lse, _key_bytes(key_mask), cu_seqlens, max_seqlen, scale, dropout_p, seed,
+                     dq, dk, dv)
+    return dq, dk, dv
+
+
+TRITON = SPEC.kernels("triton", _triton_forward, _triton_backward, "triton")
 _TRITON_SUPPORT = dispatch.Support(("cuda", "cpu"), (torch.float16, torch.bfloat16, torch.float32))
 
 
@@ -233,22 +191,10 @@ _TRITON_SUPPORT = dispatch.Support(("cuda", "cpu"), (torch.float16, torch.bfloat
 def _triton(q, k, v, attention_mask, dropout_p, scale, need_weights):
     key_mask = None if attention_mask is None else attention_mask.bool()
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    forward = dispatch.entry(_triton_forward, q, k, v)
-    return forward(q, k, v, key_mask, None, q.shape[2], scale, dropout_p, dropout_seed(dropout_p, q.device))[0]
+    return TRITON(q, k, v, key_mask, None, q.shape[2], scale, dropout_p, dropout_seed(dropout_p, q.device))[0]
 
 
 @dispatch.register("varlen_attention", "triton", _TRITON_SUPPORT, _head_dim_reasons)
 def _triton_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale):
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    forward = dispatch.entry(_triton_forward, q, k, v)
-    return forward(q, k, v, None, cu_seqlens, max_seqlen, scale, dropout_p, dropout_seed(dropout_p, q.device))[0]
-
-
-# -------------------------------------------------------------------------------------------- cuda
-# The cpu backend's functions and custom ops, on CUDA tensors (see "cpu (C++) and cuda" above): fp32
-# FMA tiles for now, no tensor cores. The dropout seed stays on the CPU, drawn from torch's generator
-# as for cpu, so one seed keeps the same elements on both devices, and reading it into the kernel's
-# arguments never waits for the GPU.
-_CUDA_SUPPORT = dispatch.Support(("cuda",), (torch.float16, torch.bfloat16, torch.float32))
-dispatch.register("attention", "cuda", _CUDA_SUPPORT, _head_dim_reasons)(_cpu)
-dispatch.register("varlen_attention", "cuda", _CUDA_SUPPORT, _head_dim_reasons)(_cpu_varlen)
+    return TRITON(q, k, v, None, cu_seqlens, max_seqlen, scale, dropout_p, dropout_seed(dropout_p, q.device))[0]
