@@ -371,45 +371,6 @@ def follows_autocast(public_op):
 
 
 # --------------------------------------------------------------------------------------------------
-# Kernel entry points. A compiled kernel is a torch.library custom op, which torch.compile treats as
-# opaque and autograd differentiates. The wrapper costs ~5.5 us a call on this project's CPU machines,
-# and a BERT-base forward makes ~85 such calls. Where neither is involved (eager, nothing to
-# differentiate, plain tensors) the backend calls the function under it directly.
-
-
-def custom_op(name: str):
-    """torch.library.custom_op(name, mutates_args=()), keeping the plain function as `.direct`."""
-
-    def wrap(fn):
-        op = torch.library.custom_op(name, mutates_args=())(fn)
-        op.direct = fn
-        return op
-
-    return wrap
-
-
-def needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
-def entry(op, *tensors):
-    """`op.direct` where the custom op would do nothing but cost time, else `op` itself: under
-    torch.compile, where autograd records the call, inside torch.func transforms (vmap's wrapped
-    tensors look like plain ones, and out= kernels have no batching rule) and for tensor subclasses
-    (fake, functional)."""
-    if torch.compiler.is_compiling() or needs_grad(*tensors):
-        return op
-    if torch._C._functorch.peek_interpreter_stack() is not None:  # no public API for "in a transform"
-        return op
-    if any(t is not None and type(t) not in _PLAIN for t in tensors):
-        return op
-    return op.direct
-
-
-# --------------------------------------------------------------------------------------------------
 # Output allocation: kernels allocate here so tests can poison every output before it is written.
 
 _poison = threading.local()

@@ -7,6 +7,7 @@ import torch
 
 import fastbert
 from fastbert import dispatch, ops
+from fastbert.ops._op import OpSpec, entry
 from fastbert.testing import assert_close
 
 
@@ -158,14 +159,10 @@ def test_forced_backend_with_unsupported_head_dim_raises_before_compute():
     assert calls == []
 
 
-@dispatch.custom_op("fastbert_test::double")
-def _double(x: torch.Tensor) -> torch.Tensor:
-    return x * 2
-
-
-@_double.register_fake
-def _(x):
-    return torch.empty_like(x)
+_DOUBLE = OpSpec("test_double", forward_schema="(Tensor x) -> Tensor", backward_schema="(Tensor grad) -> Tensor",
+                 forward_fake=lambda x: torch.empty_like(x), backward_fake=lambda grad: torch.empty_like(grad),
+                 saved=lambda inputs, outputs: (), input_grads=lambda inputs, grads: grads)
+_double = _DOUBLE.kernels("python", lambda x: x * 2, lambda grad: grad * 2, "reference").forward
 
 
 def test_entry_skips_the_custom_op_only_where_nothing_needs_it():
@@ -174,15 +171,15 @@ def test_entry_skips_the_custom_op_only_where_nothing_needs_it():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     x, w = torch.randn(3), torch.nn.Parameter(torch.randn(3))
-    assert dispatch.entry(_double, x, w) is _double  # w requires grad: autograd must see the op
+    assert entry(_double, x, w) is _double  # w requires grad: autograd must see the op
     with torch.no_grad():
-        assert dispatch.entry(_double, x, w) is _double.direct
+        assert entry(_double, x, w) is _double.direct
     with torch.inference_mode():
-        assert dispatch.entry(_double, x, None) is _double.direct
+        assert entry(_double, x, None) is _double.direct
     with FakeTensorMode() as mode, torch.no_grad():
-        assert dispatch.entry(_double, mode.from_tensor(x)) is _double
+        assert entry(_double, mode.from_tensor(x)) is _double
     seen = []
-    torch.func.vmap(lambda row: seen.append(dispatch.entry(_double, row)) or row)(torch.randn(2, 3))
+    torch.func.vmap(lambda row: seen.append(entry(_double, row)) or row)(torch.randn(2, 3))
     assert seen == [_double]
     torch.testing.assert_close(_double.direct(x), _double(x), rtol=0, atol=0)
 

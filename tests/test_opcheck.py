@@ -16,8 +16,8 @@ def cpu_cases():
     cu = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
     yield "bias_gelu_cxx", (_rand(3, 16), _rand(16), "none")
     yield "bias_gelu_cxx_backward", (_rand(3, 16, grad=False), _rand(3, 16, grad=False), _rand(16, grad=False), "tanh")
-    yield "dense_cpu", (_rand(4, 8), _rand(6, 8), _rand(6), "none")
-    yield "dense_cpu", (_rand(2, 3, 8), _rand(6, 8), None, "gelu")
+    yield "dense_onednn", (_rand(4, 8), _rand(6, 8), _rand(6), "none")
+    yield "dense_onednn", (_rand(2, 3, 8), _rand(6, 8), None, "gelu")
     yield "add_layer_norm_cxx", (_rand(4, 24), _rand(4, 24), _rand(24), _rand(24), 1e-5, 0.0, None)
     yield "add_layer_norm_cxx", (_rand(4, 24), _rand(4, 24), _rand(24), _rand(24), 1e-5, 0.25, torch.tensor([3]))
     yield "attention_cxx", (_rand(2, 3, 5, 16), _rand(2, 3, 5, 16), _rand(2, 3, 5, 16), mask, None, 5, 0.25, 0.0, None)
@@ -45,10 +45,11 @@ def backward_cases():
     x, r, w, b = torch.randn(4, 24), torch.randn(4, 24), torch.randn(24), torch.randn(24)
     _, mean, rstd = torch.ops.fastbert.add_layer_norm_cxx(x, r, w, b, 1e-5, 0.0, None)
     yield "add_layer_norm_cxx_backward", (torch.randn(4, 24), x, r, w, mean, rstd, 0.0, None)
-    yield "dense_cpu_backward", (torch.randn(7, 6), torch.randn(7, 8), torch.randn(6, 8))
+    yield "dense_onednn_backward", (torch.randn(7, 6), torch.randn(7, 8), torch.randn(6, 8), torch.randn(6), "none")
+    yield "dense_onednn_backward", (torch.randn(2, 3, 6), torch.randn(2, 3, 8), torch.randn(6, 8), None, "gelu_tanh")
 
 
-@pytest.mark.parametrize("index", range(3))  # the cases need fastbert._C: not built at collection
+@pytest.mark.parametrize("index", range(4))  # the cases need fastbert._C: not built at collection
 def test_opcheck_cpu_backward_ops(index):
     if dispatch.machine_reasons("cpu"):
         pytest.skip("; ".join(dispatch.machine_reasons("cpu")))
@@ -142,6 +143,8 @@ TRITON_GEMM_CASES = [
     ("dense_triton", lambda: (_rand(2, 3, 24), _rand(16, 24), None, "gelu_tanh")),
     ("qkv_projection_triton", lambda: (_rand(2, 5, 32), _rand(96, 32), _rand(96), 4)),
     ("qkv_projection_triton", lambda: (_rand(7, 32), _rand(96, 32), _rand(96), 2)),
+    ("qkv_projection_triton_backward", lambda: (torch.randn(3, 2, 5, 4, 8), torch.randn(2, 5, 32), torch.randn(96, 32),
+                                                torch.randn(96), 4)),
     ("dense_triton_backward", lambda: (torch.randn(5, 40), torch.randn(5, 24), torch.randn(40, 24), torch.randn(40), "gelu")),
     ("dense_triton_backward", lambda: (torch.randn(6, 16), torch.randn(6, 24), torch.randn(16, 24), None, "none")),
 ]

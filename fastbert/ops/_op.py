@@ -2,9 +2,10 @@
 fakes, setup_context and autograd, built here once from the op's spec. A backend writes only its two
 kernel functions, with the spec's signatures.
 
-A kernel pair is opaque to torch.compile and differentiated by autograd; eager calls with nothing to
-differentiate skip the custom-op wrapper (dispatch.entry). The backward runs on the backend whose
-forward ran, and records itself under that backend's name.
+A kernel pair is opaque to torch.compile and differentiated by autograd. The custom-op wrapper costs
+microseconds a call (benchmarks/RESULTS.md), so eager calls with nothing to differentiate run the
+function under it (`entry`). The backward runs on the backend whose forward ran, and records itself
+under that backend's name.
 """
 from __future__ import annotations
 
@@ -16,6 +17,30 @@ import torch
 from fastbert import dispatch
 
 
+def needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def entry(op, *tensors):
+    """`op.direct` where the custom op would do nothing but cost time, else `op` itself: under
+    torch.compile, where autograd records the call, inside torch.func transforms (vmap's wrapped
+    tensors look like plain ones, and out= kernels have no batching rule) and for tensor subclasses
+    (fake, functional)."""
+    if torch.compiler.is_compiling() or needs_grad(*tensors):
+        return op
+    if torch._C._functorch.peek_interpreter_stack() is not None:  # no public API for "in a transform"
+        return op
+    if any(t is not None and type(t) not in _PLAIN for t in tensors):
+        return op
+    return op.direct
+
+
+TENSOR = type("Tensor", (), {"__repr__": lambda self: "<tensor>"})()  # a tensor input, as input_grads sees it
+
+
 @dataclass(frozen=True)
 class OpSpec:
     name: str  # the op ("add_layer_norm"); custom ops are fastbert::<name>_<kernels>[_backward]
@@ -24,7 +49,7 @@ class OpSpec:
     forward_fake: Callable  # forward's arguments -> outputs of the right shapes and dtypes (shared by every backend)
     backward_fake: Callable  # backward's arguments -> its outputs
     saved: Callable  # (forward inputs, forward outputs) -> the backward's arguments after the gradients
-    input_grads: Callable  # (forward inputs, backward results) -> one gradient (or None) per forward input
+    input_grads: Callable  # (forward inputs, TENSOR in place of each tensor; backward results) -> a gradient (or None) per input
     differentiable_outputs: int = 1  # leading outputs that carry gradients; the rest are statistics
     recorded_as: Callable | None = None  # backward's saved arguments -> the op name its record carries
 
@@ -48,7 +73,7 @@ class KernelPair:
 
     def __call__(self, *args):
         """Run the forward: the custom op where autograd or a compiler needs it, else the function itself."""
-        return dispatch.entry(self.forward, *(a for a in args if isinstance(a, torch.Tensor)))(*args)
+        return entry(self.forward, *(a for a in args if isinstance(a, torch.Tensor)))(*args)
 
     def _setup_context(self, ctx, inputs, output):
         outputs = output if isinstance(output, tuple) else (output,)
@@ -57,8 +82,9 @@ class KernelPair:
         is_tensor = [a is None or isinstance(a, torch.Tensor) for a in saved]
         ctx.save_for_backward(*(a for a, t in zip(saved, is_tensor) if t))
         ctx.is_tensor, ctx.others = is_tensor, [a for a, t in zip(saved, is_tensor) if not t]
-        # input_grads reads the non-tensor inputs (flags); tensor inputs are not kept alive for it.
-        ctx.input_meta = tuple(None if isinstance(a, torch.Tensor) else a for a in inputs)
+        # input_grads reads the non-tensor inputs (flags) and which optional tensors were given; tensor
+        # inputs are not kept alive for it.
+        ctx.input_meta = tuple(TENSOR if isinstance(a, torch.Tensor) else a for a in inputs)
 
     def _autograd(self, ctx, *grads):
         tensors, others = iter(ctx.saved_tensors), iter(ctx.others)

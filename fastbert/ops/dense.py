@@ -5,6 +5,7 @@ import torch
 
 from fastbert import dispatch
 from fastbert.ops import _checks, _onednn, reference
+from fastbert.ops._op import OpSpec, entry, needs_grad
 from fastbert.ops.bias_gelu import CXX as bias_gelu_cxx
 from fastbert.ops.prepared import PreparedWeights
 
@@ -34,82 +35,22 @@ def _reference(x, weight, bias, activation, prepared):
     return reference.dense(x, weight, bias, activation)
 
 
-# ------------------------------------------------------------------------------ cpu (oneDNN GEMM)
+def _grad_bias_shape(weight, bias):
+    return (weight.shape[0],) if bias is not None else (0,)
 
 
-@dispatch.custom_op("fastbert::dense_cpu")
-def _cpu_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
-    y = _onednn.linear(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias, activation)
-    return y.view(*x.shape[:-1], weight.shape[0])
-
-
-@_cpu_forward.register_fake
-def _(x, weight, bias, activation):
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
-
-
-def _cpu_setup_context(ctx, inputs, output):
-    x, weight, bias, activation = inputs
-    ctx.save_for_backward(x, weight, bias)
-    ctx.activation = activation
-
-
-def _cpu_autograd(ctx, grad):
-    dispatch.note("dense.backward", "cpu")
-    x, weight, bias = ctx.saved_tensors
-    if ctx.activation != "none":
-        # Training normally takes the unfused path below (pre-activation saved); this recomputes it.
-        z = _cpu_forward(x, weight, bias, "none")
-        grad, _ = bias_gelu_cxx.backward(grad, z, torch.zeros_like(weight[:, 0]), approximation(ctx.activation))
-    return (*cpu_linear_backward(grad, x, weight, bias), None)
-
-
-def cpu_linear_backward(grad, x, weight, bias):
-    """Gradients of x @ weight.T + bias: (grad_x, grad_weight, grad_bias). float32 CPU GEMMs on oneDNN
-    (where this torch has it), everything else on torch's matmul."""
-    g2, x2 = grad.reshape(-1, weight.shape[0]), x.reshape(-1, x.shape[-1])
-    if x.dtype == torch.float32 and x.device.type == "cpu" and x2.shape[0] > 0 and not _onednn.missing():
-        grad_x, grad_weight = _cpu_backward(g2, x2, weight)
-        grad_x = grad_x.view(x.shape)
-    else:
-        grad_x, grad_weight = (g2 @ weight).view(x.shape), g2.t() @ x2
-    grad_bias = g2.sum(0) if bias is not None else None
-    return grad_x, grad_weight, grad_bias
-
-
-# A custom op (opaque to torch.compile): Inductor lowers a bare mkldnn._linear_pointwise only for weights
-# it holds as constants (frozen inference graphs), and the backward is traced.
-@torch.library.custom_op("fastbert::dense_cpu_backward", mutates_args=())
-def _cpu_backward(g2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(grad of x2d, grad of weight) for x2d @ weight.T: g2d @ weight and g2d.T @ x2d as oneDNN linears
-    (the weight argument read through its transposed view; oneDNN copies a transposed input first). For
-    float32 only: there torch's matmul (MKL) ran these at ~225 GFLOP/s on the Zen 5 VM and this at ~410
-    (1024 x 768 x 3072); in bfloat16 torch's matmul is oneDNN already and faster (770 vs 556)."""
-    g2d, x2d = g2d.contiguous(), x2d.contiguous()
-    grad_x = _onednn.linear(g2d, weight.contiguous().t(), None)
-    grad_weight = _onednn.linear(g2d.t(), x2d.t(), None)
-    return grad_x, grad_weight
-
-
-@_cpu_backward.register_fake
-def _(g2d, x2d, weight):
-    return x2d.new_empty(x2d.shape), weight.new_empty(weight.shape)
-
-
-_cpu_forward.register_autograd(_cpu_autograd, setup_context=_cpu_setup_context)
-
-
-@dispatch.register("dense", "cpu", dispatch.Support(("cpu",), (torch.float32, torch.bfloat16)),
-                   extra_reasons=lambda facts: _onednn.missing())
-def _cpu(x, weight, bias, activation, prepared):
-    if activation != "none" and bias is not None and dispatch.needs_grad(x, weight, bias):
-        # Keep the pre-activation for backward: GEMM, then the bias_gelu kernel (saves x + bias's input).
-        z = _cpu_forward(x, weight, None, "none")
-        return bias_gelu_cxx(z, bias, approximation(activation))
-    run = dispatch.entry(_cpu_forward, x, weight, bias)
-    if run is _cpu_forward.direct and prepared is not None:  # eager, no autograd: the owner's packed weight
-        return cpu_packed(x, weight, bias, activation, prepared)
-    return run(x, weight, bias, activation)
+# activation(x @ weight.T + bias) for x [..., K], weight [N, K]; the backward returns (grad of x, of weight,
+# of bias: [0] without one).
+SPEC = OpSpec(
+    "dense",
+    forward_schema="(Tensor x, Tensor weight, Tensor? bias, str activation) -> Tensor",
+    backward_schema="(Tensor grad, Tensor x, Tensor weight, Tensor? bias, str activation) -> (Tensor, Tensor, Tensor)",
+    forward_fake=lambda x, weight, bias, activation: x.new_empty(*x.shape[:-1], weight.shape[0]),
+    backward_fake=lambda grad, x, weight, bias, activation: (
+        x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(_grad_bias_shape(weight, bias))),
+    saved=lambda inputs, outputs: inputs,  # the backward recomputes the pre-activation where there is a GELU
+    input_grads=lambda inputs, grads: (grads[0], grads[1], None if inputs[2] is None else grads[2], None),
+)
 
 
 def approximation(activation: str) -> str:
@@ -117,18 +58,56 @@ def approximation(activation: str) -> str:
     return "tanh" if activation == "gelu_tanh" else "none"
 
 
-def cpu_packed(x, weight, bias, activation, prepared: PreparedWeights):
-    """The oneDNN linear on the copy of `weight` that `prepared` keeps in oneDNN's blocked layout."""
+# ------------------------------------------------------------------------ onednn: torch's own oneDNN GEMM
+
+
+def _onednn_forward(x, weight, bias, activation):
+    y = _onednn.linear(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias, activation)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def _onednn_backward(grad, x, weight, bias, activation):
+    g2d, x2d = grad.reshape(-1, weight.shape[0]).contiguous(), x.reshape(-1, x.shape[-1]).contiguous()
+    if activation != "none":  # training normally saves the pre-activation (see _cpu); this recomputes it
+        z = _onednn.linear(x2d, weight, bias, "none")
+        g2d, _ = bias_gelu_cxx.backward(g2d, z, torch.zeros_like(weight[:, 0]), approximation(activation))
+    if x.dtype == torch.float32 and x2d.shape[0] > 0:
+        # g @ W and g^T @ x as oneDNN linears over transposed views (oneDNN copies a transposed input
+        # first): in float32 faster than torch's matmul (MKL) where oneDNN's GEMM is (benchmarks/RESULTS.md).
+        grad_x = _onednn.linear(g2d, weight.contiguous().t(), None)
+        grad_weight = _onednn.linear(g2d.t(), x2d.t(), None)
+    else:  # bfloat16: torch's matmul is oneDNN already, and faster in this form
+        grad_x, grad_weight = g2d @ weight, g2d.t() @ x2d
+    grad_bias = g2d.sum(0) if bias is not None else g2d.new_empty(0)
+    return grad_x.view(x.shape), grad_weight, grad_bias
+
+
+ONEDNN = SPEC.kernels("onednn", _onednn_forward, _onednn_backward, "cpu")
+
+
+@dispatch.register("dense", "cpu", dispatch.Support(("cpu",), (torch.float32, torch.bfloat16)),
+                   extra_reasons=lambda facts: _onednn.missing())
+def _cpu(x, weight, bias, activation, prepared):
+    if activation != "none" and bias is not None and needs_grad(x, weight, bias):
+        # Keep the pre-activation for backward: GEMM, then the bias_gelu kernel (saves x + bias's input).
+        return bias_gelu_cxx(ONEDNN(x, weight, None, "none"), bias, approximation(activation))
+    return onednn_linear(x, weight, bias, activation, prepared)
+
+
+def onednn_linear(x, weight, bias, activation, prepared: PreparedWeights | None):
+    """The oneDNN linear; in eager calls with no autograd on the copy of `weight` that `prepared` (its
+    owner's) keeps in oneDNN's blocked layout."""
+    if prepared is None or entry(ONEDNN.forward, x, weight, bias) is not ONEDNN.forward.direct:
+        return ONEDNN(x, weight, bias, activation)
     x2d = x.reshape(-1, x.shape[-1]).contiguous()
     blocked = prepared.get("onednn", (weight,), lambda w: _onednn.pack(w, x2d.shape[0]))
     return _onednn.linear(x2d, blocked, bias, activation).view(*x.shape[:-1], weight.shape[0])
 
 
-# ------------------------------------------------------------------------ triton (GEMM + epilogue)
+# ---------------------------------------------------------------------- triton (GEMM + epilogue)
 
 
-@dispatch.custom_op("fastbert::dense_triton")
-def _triton_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
+def _triton_forward(x, weight, bias, activation):
     from fastbert.kernels import dense as kernel
 
     x2d = x.reshape(-1, x.shape[-1]).contiguous()
@@ -137,35 +116,15 @@ def _triton_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-@_triton_forward.register_fake
-def _(x, weight, bias, activation):
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
-
-
-def _triton_autograd(ctx, grad):
-    dispatch.note("dense.backward", "triton")
-    x, weight, bias = ctx.saved_tensors
-    grad_x, grad_weight, grad_bias = triton_linear_backward(grad, x, weight, bias, ctx.activation)
-    return grad_x, grad_weight, grad_bias if bias is not None else None, None
-
-
-def triton_linear_backward(grad, x, weight, bias, activation="none"):
-    """Gradients of activation(x @ weight.T + bias), every GEMM on Triton: (grad_x, grad_weight, grad_bias;
-    grad_bias is returned even without a bias, and then ignored)."""
-    g2d = grad.reshape(-1, weight.shape[0])
-    grad_x, grad_weight, grad_bias = _triton_backward(g2d, x.reshape(-1, x.shape[-1]), weight, bias, activation)
-    return grad_x.view(x.shape), grad_weight, grad_bias
-
-
-@torch.library.custom_op("fastbert::dense_triton_backward", mutates_args=())
-def _triton_backward(g2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                     activation: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def triton_linear_backward(grad, x, weight, bias, activation):
+    """Gradients of activation(x @ weight.T + bias), every GEMM on Triton: g @ W, g^T @ x, and the bias's
+    column sums as a GEMM with a row of ones; GELU's derivative by the bias_gelu kernel."""
     from fastbert.kernels import bias_gelu as gelu_kernel
     from fastbert.kernels import dense as kernel
 
-    m, (n, k) = x2d.shape[0], weight.shape
-    x2d, weight = x2d.contiguous(), weight.contiguous()
-    bias = torch.zeros(n, dtype=x2d.dtype, device=x2d.device) if bias is None else bias.contiguous()
+    n, k = weight.shape
+    g2d, x2d = grad.reshape(-1, n), x.reshape(-1, k).contiguous()
+    m, weight = x2d.shape[0], weight.contiguous()
 
     def gemm(a, b, rows, cols):  # a [rows, inner] @ b [cols, inner].T, fp32 accumulation, in a's dtype
         out = dispatch.empty((rows, cols), dtype=x2d.dtype, device=x2d.device)
@@ -173,27 +132,24 @@ def _triton_backward(g2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor,
             return out.zero_()
         return kernel.dense(a, b, None, "none", out)
 
-    if activation != "none":  # recompute the pre-activation; GELU's derivative applied by the bias_gelu kernel
+    if activation != "none":  # recompute the pre-activation
+        b = torch.zeros(n, dtype=x2d.dtype, device=x2d.device) if bias is None else bias.contiguous()
         z = gemm(x2d, weight, m, n)
-        g2d, _ = gelu_kernel.bias_gelu_backward(g2d.contiguous(), z, bias, activation == "gelu_tanh", empty=dispatch.empty)
+        g2d, _ = gelu_kernel.bias_gelu_backward(g2d.contiguous(), z, b, approximation(activation) == "tanh",
+                                                empty=dispatch.empty)
     g2d = g2d.contiguous()
     grad_t = g2d.t().contiguous()  # [N, M]
-    grad_x = gemm(g2d, weight.t().contiguous(), m, k)  # g @ W
-    grad_weight = gemm(grad_t, x2d.t().contiguous(), n, k)  # g^T @ x
-    grad_bias = gemm(torch.ones(1, m, dtype=x2d.dtype, device=x2d.device), grad_t, 1, n).view(n)  # column sums
-    return grad_x, grad_weight, grad_bias
+    grad_x = gemm(g2d, weight.t().contiguous(), m, k)
+    grad_weight = gemm(grad_t, x2d.t().contiguous(), n, k)
+    if bias is None:
+        return grad_x.view(x.shape), grad_weight, x2d.new_empty(0)
+    grad_bias = gemm(torch.ones(1, m, dtype=x2d.dtype, device=x2d.device), grad_t, 1, n).view(n)
+    return grad_x.view(x.shape), grad_weight, grad_bias
 
 
-@_triton_backward.register_fake
-def _(g2d, x2d, weight, bias, activation):
-    return x2d.new_empty(x2d.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape[0])
+TRITON = SPEC.kernels("triton", _triton_forward, triton_linear_backward, "triton")
 
 
-_triton_forward.register_autograd(_triton_autograd, setup_context=_cpu_setup_context)
-
-_TRITON_SUPPORT = dispatch.Support(("cuda", "cpu"), (torch.float16, torch.bfloat16, torch.float32))
-
-
-@dispatch.register("dense", "triton", _TRITON_SUPPORT)
+@dispatch.register("dense", "triton", dispatch.Support(("cuda", "cpu"), (torch.float16, torch.bfloat16, torch.float32)))
 def _triton(x, weight, bias, activation, prepared):
-    return dispatch.entry(_triton_forward, x, weight, bias)(x, weight, bias, activation)
+    return TRITON(x, weight, bias, activation)

@@ -5,7 +5,8 @@ import torch
 
 from fastbert import dispatch
 from fastbert.ops import _checks, _onednn, reference
-from fastbert.ops.dense import _cpu_forward as _dense_cpu, cpu_packed, triton_linear_backward
+from fastbert.ops.dense import onednn_linear, triton_linear_backward
+from fastbert.ops._op import OpSpec
 from fastbert.ops.prepared import PreparedWeights
 
 
@@ -34,17 +35,13 @@ def _reference(x, weight, bias, num_heads, prepared):
     return reference.qkv_projection(x, weight, bias, num_heads)
 
 
-# ------------------------------------------------------------------------------ cpu (oneDNN GEMM)
+# ---------------------------------------------------- cpu: dense's oneDNN pair, q/k/v as views of its output
 
 
 @dispatch.register("qkv_projection", "cpu", dispatch.Support(("cpu",), (torch.float32, torch.bfloat16)),
                    extra_reasons=lambda facts: _onednn.missing())
 def _cpu(x, weight, bias, num_heads, prepared):
-    run = dispatch.entry(_dense_cpu, x, weight, bias)
-    if run is _dense_cpu.direct and prepared is not None:  # eager, no autograd: the owner's packed weight
-        qkv = cpu_packed(x, weight, bias, "none", prepared)  # [..., 3H], one GEMM
-    else:
-        qkv = run(x, weight, bias, "none")
+    qkv = onednn_linear(x, weight, bias, "none", prepared)  # [..., 3H], one GEMM
     head_dim = x.shape[-1] // num_heads
     if x.dim() == 3:
         b, s, _ = x.shape
@@ -56,9 +53,25 @@ def _cpu(x, weight, bias, num_heads, prepared):
 # ------------------------------------------------------------------------ triton (GEMM + epilogue)
 
 
-@dispatch.custom_op("fastbert::qkv_projection_triton")
-def _triton_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int) -> torch.Tensor:
-    """One GEMM writing q, k, v head-major: [3, B, heads, S, d] (or [3, T, heads, d] for [T, H] input)."""
+def _head_major_shape(x, num_heads):
+    d = x.shape[-1] // num_heads
+    return (3, x.shape[0], num_heads, x.shape[1], d) if x.dim() == 3 else (3, x.shape[0], num_heads, d)
+
+
+# One GEMM writing q, k, v head-major: [3, B, heads, S, d] (or [3, T, heads, d] for [T, H] input).
+SPEC = OpSpec(
+    "qkv_projection",
+    forward_schema="(Tensor x, Tensor weight, Tensor? bias, int num_heads) -> Tensor",
+    backward_schema="(Tensor grad, Tensor x, Tensor weight, Tensor? bias, int num_heads) -> (Tensor, Tensor, Tensor)",
+    forward_fake=lambda x, weight, bias, num_heads: x.new_empty(_head_major_shape(x, num_heads)),
+    backward_fake=lambda grad, x, weight, bias, num_heads: (
+        x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape[0] if bias is not None else 0)),
+    saved=lambda inputs, outputs: inputs,
+    input_grads=lambda inputs, grads: (grads[0], grads[1], None if inputs[2] is None else grads[2], None),
+)
+
+
+def _triton_forward(x, weight, bias, num_heads):
     from fastbert.kernels import dense as kernel
 
     out = dispatch.empty(_head_major_shape(x, num_heads), dtype=x.dtype, device=x.device)
@@ -68,36 +81,18 @@ def _triton_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return out
 
 
-def _head_major_shape(x, num_heads):
-    d = x.shape[-1] // num_heads
-    return (3, x.shape[0], num_heads, x.shape[1], d) if x.dim() == 3 else (3, x.shape[0], num_heads, d)
-
-
-@_triton_forward.register_fake
-def _(x, weight, bias, num_heads):
-    return x.new_empty(_head_major_shape(x, num_heads))
-
-
-def _triton_setup_context(ctx, inputs, output):
-    x, weight, bias, num_heads = inputs
-    ctx.save_for_backward(x, weight, bias)
-
-
-def _triton_autograd(ctx, grad):
-    dispatch.note("qkv_projection.backward", "triton")
-    x, weight, bias = ctx.saved_tensors
+def _triton_backward(grad, x, weight, bias, num_heads):
     # Back from head-major to [..., 3H] rows, then the linear layer's gradients.
     if x.dim() == 3:
         grad_rows = grad.permute(1, 3, 0, 2, 4).reshape(*x.shape[:2], -1)  # [B, S, 3, heads, d] -> [B, S, 3H]
     else:
         grad_rows = grad.permute(1, 0, 2, 3).reshape(x.shape[0], -1)  # [T, 3, heads, d] -> [T, 3H]
-    grad_x, grad_weight, grad_bias = triton_linear_backward(grad_rows, x, weight, bias)
-    return grad_x, grad_weight, grad_bias if bias is not None else None, None
+    return triton_linear_backward(grad_rows, x, weight, bias, "none")
 
 
-_triton_forward.register_autograd(_triton_autograd, setup_context=_triton_setup_context)
+TRITON = SPEC.kernels("triton", _triton_forward, _triton_backward, "triton")
 
 
 @dispatch.register("qkv_projection", "triton", dispatch.Support(("cuda", "cpu"), (torch.float16, torch.bfloat16, torch.float32)))
 def _triton(x, weight, bias, num_heads, prepared):
-    return dispatch.entry(_triton_forward, x, weight, bias)(x, weight, bias, num_heads).unbind(0)
+    return TRITON(x, weight, bias, num_heads).unbind(0)
