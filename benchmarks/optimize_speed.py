@@ -6,7 +6,7 @@ import statistics, time, os
 os.environ["HF_HUB_OFFLINE"] = "1"
 import torch, fastbert
 from sentence_transformers import SentenceTransformer
-from fastbert.demo import SENTENCES, minilm_dir
+from fastbert.apps.demo import SENTENCES, minilm_dir
 sentences = [f"{s} ({i})" if i % 2 else s * (1 + i % 3) for i in range(8) for s in SENTENCES]  # 64, lengths vary
 plain = SentenceTransformer(minilm_dir(), device="cpu")
 fast = fastbert.optimize(SentenceTransformer(minilm_dir(), device="cpu"))

@@ -12,7 +12,7 @@ import torch
 import transformers
 
 import fastbert
-from fastbert.bench import make_batch
+from fastbert.apps.bench import make_batch
 
 
 def main():

@@ -4,7 +4,7 @@ from fastbert.config import BertConfig
 from fastbert.dispatch import BackendUnavailable, use_backend
 from fastbert.heads import (BertForMaskedLM, BertForPreTraining, BertForQuestionAnswering,
                             BertForSequenceClassification, BertForTokenClassification)
-from fastbert.hf import optimize, register_attention
+from fastbert.integrations.transformers import optimize, register_attention
 from fastbert.memory import keep_freed_memory
 from fastbert.model import BertModel, BertModelOutput, BertPreTrainedModel
 

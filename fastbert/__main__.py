@@ -15,7 +15,7 @@ def main(argv=None) -> int:
     demo.add_argument("--model", default=None, help="HF BERT directory (default: the bundled all-MiniLM-L6-v2)")
     demo.add_argument("--repeats", type=int, default=10, help="timed runs of each model (median reported)")
     bench = sub.add_parser("bench", help="fastbert vs transformers, torch, ONNX Runtime: medians, ratios, GEMM-rate fraction")
-    from fastbert import bench as b
+    from fastbert.apps import bench as b
 
     def names(known):
         def parse(text):
@@ -77,16 +77,16 @@ def main(argv=None) -> int:
 
         print(report())
     elif args.command == "demo":
-        from fastbert.demo import run
+        from fastbert.apps.demo import run
 
         run(args.model, args.repeats)
     elif args.command == "bench":
-        from fastbert.bench import run
+        from fastbert.apps.bench import run
 
         run(args.models, args.dtypes, args.shapes, args.competitors, args.rounds, args.out, args.backend, args.device,
             args.keep_freed_memory)
     elif args.command in ("pretrain", "finetune"):
-        from fastbert import train
+        from fastbert.apps import train
 
         # The options share TrainArgs' field names (--batch-size -> batch_size, ...).
         fields = {f.name for f in dataclasses.fields(train.TrainArgs)} - {"progress"}

@@ -9,9 +9,9 @@ from dataclasses import dataclass, fields
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint as recompute_in_backward
 
-from fastbert import dispatch, ops, padding
+from fastbert import checkpoint, dispatch, ops, padding  # checkpoint: HF directories (fastbert/checkpoint.py)
 from fastbert.config import BertConfig
 
 
@@ -173,7 +173,7 @@ class BertEncoder(nn.Module):
         recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.layer:
             if recompute:
-                x, probs = checkpoint(layer, x, attention_mask, output_attentions, packing, use_reentrant=False)
+                x, probs = recompute_in_backward(layer, x, attention_mask, output_attentions, packing, use_reentrant=False)
             else:
                 x, probs = layer(x, attention_mask, output_attentions, packing)
             if output_hidden_states:
@@ -194,11 +194,11 @@ class BertPooler(nn.Module):
 
 
 class BertPreTrainedModel(nn.Module):
-    """Weight init as HF does it, and loading / saving HF directories (fastbert/hf.py)."""
+    """Weight init as HF does it, and loading / saving HF directories (fastbert/checkpoint.py)."""
 
     config_class = BertConfig
     base_model_prefix = "bert"
-    # {parameter name: the parameter it shares}, as transformers declares them. hf.py saves only the
+    # {parameter name: the parameter it shares}, as transformers declares them. checkpoint.py saves only the
     # shared one (safetensors stores one name per storage) and never asks a checkpoint for the alias.
     _tied_weights_keys: dict[str, str] = {}
 
@@ -257,14 +257,10 @@ class BertPreTrainedModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory, dtype: torch.dtype | None = None, **kwargs):
-        from fastbert import hf
-
-        return hf.from_pretrained(cls, directory, dtype=dtype, **kwargs)
+        return checkpoint.from_pretrained(cls, directory, dtype=dtype, **kwargs)
 
     def save_pretrained(self, directory) -> None:
-        from fastbert import hf
-
-        hf.save_pretrained(self, directory)
+        checkpoint.save_pretrained(self, directory)
 
 
 class BertModel(BertPreTrainedModel):

@@ -28,5 +28,5 @@ def skip_unless_runnable(op: str, backend: str, dtype: torch.dtype) -> str:
     if device not in impl.support.devices:
         pytest.skip(f"{backend} {op} does not run on {device}")
     if backend == "triton" and device == "cpu" and dtype == torch.bfloat16:
-        pytest.skip("bf16 is wrong under the Triton interpreter (DESIGN.md); runs on a GPU")
+        pytest.skip("bf16 is wrong under the Triton interpreter (arithmetic gives NaN, tl.dot garbage); runs on a GPU")
     return device

@@ -5,7 +5,7 @@ import sys
 
 import torch
 
-from fastbert import bench
+from fastbert.apps import bench
 
 
 def test_make_batch_ragged_is_fixed_and_padded():

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from fastbert import data
+from fastbert.apps import data
 from training_data import sentences, small_tokenizer, write_corpus
 
 

@@ -4,7 +4,7 @@ import torch
 import transformers
 
 import fastbert
-from fastbert.demo import SENTENCES, mean_pool, minilm_dir
+from fastbert.apps.demo import SENTENCES, mean_pool, minilm_dir
 from fastbert.testing import assert_matches
 
 
@@ -33,7 +33,7 @@ def test_token_states_and_sentence_embeddings_match_transformers(models):
 
 
 def test_demo_runs(capsys):
-    from fastbert.demo import run
+    from fastbert.apps.demo import run
 
     run(repeats=2)
     out = capsys.readouterr().out

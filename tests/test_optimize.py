@@ -6,7 +6,7 @@ import torch
 import transformers
 
 import fastbert
-from fastbert.demo import SENTENCES, minilm_dir
+from fastbert.apps.demo import SENTENCES, minilm_dir
 from fastbert.testing import assert_close, assert_matches, assert_same_gradients
 from hf_twins import padded_batch
 

@@ -15,7 +15,7 @@ import torch
 import transformers
 
 import fastbert
-from fastbert.demo import minilm_dir
+from fastbert.apps.demo import minilm_dir
 from fastbert.testing import assert_close
 from hf_twins import padded_batch
 

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 import fastbert
 from fastbert import testing
-from fastbert import data, train
+from fastbert.apps import data, train
 from fastbert.__main__ import main
 from fastbert.testing import assert_matches
 from hf_twins import twins

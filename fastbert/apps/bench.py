@@ -104,7 +104,7 @@ def load_models(model: str, dtype: torch.dtype, device: str = "cpu"):
     import transformers
 
     if model == "minilm":
-        from fastbert.demo import minilm_dir
+        from fastbert.apps.demo import minilm_dir
 
         directory = minilm_dir()
         ours = fastbert.BertModel.from_pretrained(directory)

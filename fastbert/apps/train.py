@@ -9,7 +9,7 @@ each micro-batch into one piece per process. Losses are sums over the piece divi
 the whole step batch (masked tokens, examples), so accumulation and DDP compute the gradient of the
 same loss as one process on the whole batch: runs differ only in rounding.
 
-    from fastbert.train import TrainArgs, pretrain, finetune
+    from fastbert.apps.train import TrainArgs, pretrain, finetune
     pretrain("corpus.txt", TrainArgs(out="runs/mlm", steps=1000))
     finetune("train.csv", "runs/mlm", TrainArgs(out="runs/cls", epochs=3), eval_file="dev.csv")
 """
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fastbert import data
+from fastbert.apps import data
 from fastbert.config import PRESETS, BertConfig
 
 STATE_FILE = "training_state.pt"  # optimizer, scheduler, data position, history: tensors and plain containers
@@ -227,7 +227,7 @@ def state_path(directory) -> str:
     """The training state file of a checkpoint to resume from; a clear error when there is none."""
     path = os.path.join(directory, STATE_FILE)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"cannot resume from {directory}: no {STATE_FILE} (was it saved by fastbert.train?)")
+        raise FileNotFoundError(f"cannot resume from {directory}: no {STATE_FILE} (was it saved by fastbert.apps.train?)")
     return path
 
 
@@ -324,12 +324,12 @@ def _finish_distributed() -> None:
 
 def load_tokenizer(directory: str | None):
     """A transformers tokenizer from `directory` (default: the bundled all-MiniLM-L6-v2's)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local directories only
     import transformers
 
-    from fastbert.demo import minilm_dir
+    from fastbert.apps.demo import minilm_dir
 
-    return transformers.AutoTokenizer.from_pretrained(directory or minilm_dir())
+    # Local directories only, without touching the process's environment.
+    return transformers.AutoTokenizer.from_pretrained(directory or minilm_dir(), local_files_only=True)
 
 
 def tokenizer_source(resume: str | None, tokenizer: str | None, model_dir: str | None) -> str | None:

@@ -45,17 +45,16 @@ def _median_ms(fn, repeats: int) -> float:
 
 
 def run(model_dir: str | None = None, repeats: int = 10) -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import transformers
 
     import fastbert
 
     model_dir = model_dir or minilm_dir()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     batch = tokenizer(SENTENCES, padding=True, return_tensors="pt")
     ids, mask = batch["input_ids"], batch["attention_mask"]
     ours = fastbert.BertModel.from_pretrained(model_dir)
-    theirs = transformers.BertModel.from_pretrained(model_dir).eval()
+    theirs = transformers.BertModel.from_pretrained(model_dir, local_files_only=True).eval()
 
     with torch.inference_mode(), fastbert.dispatch.record() as calls:
         ours_emb = mean_pool(ours(ids, attention_mask=mask).last_hidden_state, mask)

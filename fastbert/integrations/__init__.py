@@ -1,0 +1,1 @@
+"""fastbert in other libraries' models (transformers, sentence-transformers)."""
