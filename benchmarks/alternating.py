@@ -5,14 +5,13 @@ suites beside this file time contenders one after another; use this for the rati
     .venv/bin/python benchmarks/alternating.py [--rounds 30]
 """
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 import fastbert
 from fastbert import ops
+from fastbert.apps.timing import alternating_medians
 
 
 def cases():
@@ -45,15 +44,8 @@ def main():
     print("|---|---|---|---|---|")
     with fastbert.use_backend("cpu"), torch.inference_mode():
         for name, dtype, ours, theirs in cases():
-            times = {"ours": [], "theirs": []}
-            for fn in (ours, theirs, ours, theirs):  # warm-up
-                fn()
-            for _ in range(args.rounds):
-                for key, fn in (("ours", ours), ("theirs", theirs)):
-                    t = time.perf_counter()
-                    fn()
-                    times[key].append(time.perf_counter() - t)
-            a, b = (statistics.median(times[k]) * 1e3 for k in ("ours", "theirs"))
+            ms = alternating_medians({"ours": ours, "theirs": theirs}, args.rounds, warmup=2)
+            a, b = ms["ours"], ms["theirs"]
             print(f"| {name} | {str(dtype).replace('torch.', '')} | {a:.3g} | {b:.3g} | {b / a:.2f}x |", flush=True)
 
 

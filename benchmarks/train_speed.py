@@ -5,14 +5,13 @@ as configured (0.1) on both; the gradients are first checked against transformer
     .venv/bin/python benchmarks/train_speed.py [--shape 8x128] [--rounds 7]
 """
 import argparse
-import statistics
-import time
 
 import torch
 import transformers
 
 import fastbert
 from fastbert.apps.bench import make_batch
+from fastbert.apps.timing import alternating_medians
 
 
 def main():
@@ -42,17 +41,11 @@ def main():
             grads[key] = torch.cat([p.grad.flatten().double() for _, p in sorted(model.named_parameters())
                                     if p.grad is not None])  # the pooler is not in the loss
         err = float((grads["ours"] - grads["hf"]).norm() / grads["hf"].norm())
-        times = {"ours": [], "hf": []}
         for model in (ours, hf):
             model.train()
-        for round_ in range(args.rounds + 1):  # the first round warms up
-            for key, model in (("ours", ours), ("hf", hf)):
-                model.zero_grad(set_to_none=True)
-                start = time.perf_counter()
-                step(model)
-                if round_:
-                    times[key].append(time.perf_counter() - start)
-        a, b = (statistics.median(times[k]) * 1e3 for k in ("ours", "hf"))
+        ms = alternating_medians({"ours": lambda: step(ours), "hf": lambda: step(hf)}, args.rounds,
+                                 before=lambda: (ours.zero_grad(set_to_none=True), hf.zero_grad(set_to_none=True)))
+        a, b = ms["ours"], ms["hf"]
         print(f"| {name} | {a:.0f} | {b:.0f} | {b / a:.2f}x | {err:.1e} |", flush=True)
 
 

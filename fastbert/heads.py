@@ -15,7 +15,7 @@ from torch import nn
 
 from fastbert import ops
 from fastbert.config import BertConfig
-from fastbert.model import BertModel, BertPreTrainedModel, ModelOutput, dense_activation
+from fastbert.model import BertModel, BertPreTrainedModel, ModelOutput
 
 States = tuple[torch.Tensor, ...] | None
 
@@ -73,13 +73,13 @@ class BertPredictionHeadTransform(nn.Module):
     def __init__(self, config: BertConfig):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
-        self.activation = dense_activation(config)
+        self.approximate = config.gelu_approximate
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.prepared = ops.PreparedWeights()
 
     def forward(self, x):
         # No residual here, so a plain LayerNorm rather than the fused add_layer_norm.
-        return self.LayerNorm(ops.dense(x, self.dense.weight, self.dense.bias, self.activation, self.prepared))
+        return self.LayerNorm(ops.dense(x, self.dense.weight, self.dense.bias, "gelu", self.approximate, self.prepared))
 
 
 class BertLMPredictionHead(nn.Module):

@@ -42,11 +42,6 @@ class BertModelOutput(ModelOutput):
     attentions: tuple[torch.Tensor, ...] | None = None
 
 
-def dense_activation(config: BertConfig) -> str:
-    """config.hidden_act as the `activation` argument of fastbert.ops.dense."""
-    return "gelu" if config.gelu_approximate == "none" else "gelu_tanh"
-
-
 class BertEmbeddings(nn.Module):
     def __init__(self, config: BertConfig):
         super().__init__()
@@ -133,11 +128,11 @@ class BertIntermediate(nn.Module):
     def __init__(self, config: BertConfig):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.activation = dense_activation(config)
+        self.approximate = config.gelu_approximate  # GELU's form: "none" (erf) or "tanh"
         self.prepared = ops.PreparedWeights()
 
     def forward(self, x):
-        return ops.dense(x, self.dense.weight, self.dense.bias, self.activation, self.prepared)  # [B, S, I]
+        return ops.dense(x, self.dense.weight, self.dense.bias, "gelu", self.approximate, self.prepared)  # [B, S, I]
 
 
 class BertOutput(BertSelfOutput):

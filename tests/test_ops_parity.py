@@ -58,12 +58,13 @@ SPECS = [
         for rows, n in ((1, 7), (13, 384), (6, 768), (3, 1000), (2, 1024))
     ]),
     Spec("dense", ops.dense, reference.dense, [
-        Case(f"{rows}x{k}->{n}-{act}", (lambda rows, k, n, act: lambda dt, dev: ((
+        Case(f"{rows}x{k}->{n}-{act}-{approx}", (lambda rows, k, n, act, approx: lambda dt, dev: ((
             randn(rows, k, dtype=dt, device=dev), randn(n, k, dtype=dt, device=dev, scale=k**-0.5),
-            randn(n, dtype=dt, device=dev)), {"activation": act}))(rows, k, n, act),
+            randn(n, dtype=dt, device=dev)), {"activation": act, "approximate": approx}))(rows, k, n, act, approx),
             "matmul")
-        for rows, k, n, act in ((1, 64, 64, "none"), (17, 96, 384, "gelu"), (9, 128, 256, "gelu_tanh"), (33, 768, 768, "none"),
-                                (5, 1000, 1000, "gelu"))
+        for rows, k, n, act, approx in ((1, 64, 64, "none", "none"), (17, 96, 384, "gelu", "none"),
+                                        (9, 128, 256, "gelu", "tanh"), (33, 768, 768, "none", "none"),
+                                        (5, 1000, 1000, "gelu", "none"))
     ]),
     Spec("qkv_projection", ops.qkv_projection, reference.qkv_projection, [
         Case(f"{shape}-h{hidden}/{heads}", (lambda shape, hidden, heads: lambda dt, dev: ((

@@ -92,7 +92,9 @@ def dense_params(draw, small=False):
     inner = (st.sampled_from([1, 7, 16]) if small else INNER).filter(lambda k: rows * k >= 7)
     return dict(lead=lead, k=draw(inner), n=draw(hidden),
                 bias=draw(st.booleans()),
-                activation=draw(st.sampled_from(["none", "gelu", "gelu_tanh"])), seed=draw(SEEDS))
+                **draw(st.sampled_from([dict(activation="none", approximate="none"),
+                                        dict(activation="gelu", approximate="none"),
+                                        dict(activation="gelu", approximate="tanh")])), seed=draw(SEEDS))
 
 
 @st.composite
@@ -181,7 +183,7 @@ def build_dense(p, dtype, device):
     bias = randn(n, dtype=dtype, device=device) if p["bias"] else None
     x = randn(*p["lead"], k, dtype=dtype, device=device)
     return ((x, randn(n, k, dtype=dtype, device=device, scale=k**-0.5), bias),
-            {"activation": p["activation"]})
+            {"activation": p["activation"], "approximate": p["approximate"]})
 
 
 def build_qkv_projection(p, dtype, device):

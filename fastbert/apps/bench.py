@@ -12,7 +12,6 @@ import contextlib
 import copy
 import json
 import os
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 import fastbert
+from fastbert.apps.timing import alternating_medians
 from fastbert.testing import assert_close
 
 COMPETITORS = ("fastbert", "hf-eager", "hf-sdpa", "compile", "nested", "onnxruntime")
@@ -61,11 +61,6 @@ def useful_flops(config: fastbert.BertConfig, mask: torch.Tensor) -> float:
     return layers * (per_token * float(lengths.sum()) + attention)
 
 
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def gemm_rate(dtype: torch.dtype, device: str = "cpu") -> float:
     """GFLOP/s of the machine's GEMM, measured now: oneDNN's packed GEMM at BERT-base FFN width on
     CPU, a large cuBLAS matmul on GPU."""
@@ -78,14 +73,8 @@ def gemm_rate(dtype: torch.dtype, device: str = "cpu") -> float:
         fn = lambda: _onednn.linear(x, blocked, None)  # noqa: E731
     else:
         fn = lambda: torch.nn.functional.linear(x, w)  # noqa: E731
-    times = []
-    for _ in range(12):
-        sync(device)
-        t = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t)
-    return 2 * m * k * n / statistics.median(times[2:]) / 1e9
+    ms = alternating_medians({"gemm": fn}, rounds=10, device=device, warmup=2)["gemm"]
+    return 2 * m * k * n / (ms / 1e3) / 1e9
 
 
 # ------------------------------------------------------------------------------------ competitors
@@ -276,16 +265,8 @@ def measure(timed: list[Competitor], reference: Competitor, ids, mask, dtype, ro
                 skipped[c.name] = f"output differs from transformers eager (float32): {e}"[:300]
                 continue
             live.append(c)
-        times = {c.name: [] for c in live}
-        for r in range(rounds):
-            for c in (live if r % 2 == 0 else live[::-1]):  # alternate the order round by round
-                sync(device)
-                t = time.perf_counter()
-                c.run(ids, mask)
-                sync(device)
-                times[c.name].append(time.perf_counter() - t)
-    for name, ts in times.items():
-        ms[name] = statistics.median(ts) * 1e3
+        # Warmed up by the parity runs above.
+        ms = alternating_medians({c.name: (lambda c=c: c.run(ids, mask)) for c in live}, rounds, device, warmup=0)
     return ms, skipped
 
 

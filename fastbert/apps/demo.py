@@ -2,10 +2,9 @@
 from __future__ import annotations
 
 import os
-import statistics
-import time
-
 import torch
+
+from fastbert.apps.timing import alternating_medians
 
 SENTENCES = [
     "The cat sits on the mat.",
@@ -35,15 +34,6 @@ def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.normalize(pooled, dim=-1)
 
 
-def _median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
-
-
 def run(model_dir: str | None = None, repeats: int = 10) -> None:
     import transformers
 
@@ -61,11 +51,8 @@ def run(model_dir: str | None = None, repeats: int = 10) -> None:
     with torch.inference_mode():
         theirs_emb = mean_pool(theirs(input_ids=ids, attention_mask=mask).last_hidden_state, mask)
         cos = (ours_emb * theirs_emb).sum(-1)
-        # Alternate the two models so both see the same machine state; report medians.
-        t_ours, t_theirs = [], []
-        for _ in range(repeats):
-            t_ours.append(_median_ms(lambda: ours(ids, attention_mask=mask), 1))
-            t_theirs.append(_median_ms(lambda: theirs(input_ids=ids, attention_mask=mask), 1))
+        ms = alternating_medians({"fastbert": lambda: ours(ids, attention_mask=mask),
+                                  "transformers": lambda: theirs(input_ids=ids, attention_mask=mask)}, repeats)
     backends = sorted({f"{op}={backend}" for op, backend in calls})
     print(f"model: {model_dir}")
     print(f"batch: {len(SENTENCES)} sentences, {int(mask.sum())} tokens, padded to {ids.shape[1]}")
@@ -75,6 +62,6 @@ def run(model_dir: str | None = None, repeats: int = 10) -> None:
     sim = ours_emb @ ours_emb.T
     print("similarity (fastbert): " + ", ".join(
         f"[{i}]~[{j}] {float(sim[i, j]):.3f}" for i, j in ((0, 1), (2, 3), (0, 2), (4, 6))))
-    ms_ours, ms_theirs = statistics.median(t_ours), statistics.median(t_theirs)
+    ms_ours, ms_theirs = ms["fastbert"], ms["transformers"]
     print(f"time (median of {repeats}): fastbert {ms_ours:.2f} ms, transformers {ms_theirs:.2f} ms, "
           f"speedup {ms_theirs / ms_ours:.2f}x")

@@ -7,7 +7,6 @@ from fastbert import dispatch
 from fastbert.ops import _checks, reference
 from fastbert.ops._op import OpSpec, by_device
 
-APPROXIMATIONS = ("none", "tanh")
 
 
 @dispatch.follows_autocast
@@ -17,8 +16,8 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") ->
     _checks.tensor("bias", bias, (1,))
     _checks.same_dtype_device(x=x, bias=bias)
     _checks.shape("bias", bias, (x.shape[-1],), "the last dimension of x")
-    if approximate not in APPROXIMATIONS:
-        raise ValueError(f"approximate must be one of {APPROXIMATIONS}, got {approximate!r}")
+    if approximate not in reference.APPROXIMATIONS:
+        raise ValueError(f"approximate must be one of {reference.APPROXIMATIONS}, got {approximate!r}")
     return dispatch.call("bias_gelu", {"tensors": (x, bias)}, x, bias, approximate)
 
 

@@ -12,8 +12,9 @@ from fastbert.ops.prepared import PreparedWeights
 
 @dispatch.follows_autocast
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, activation: str = "none",
-          prepared: PreparedWeights | None = None):
-    """x [..., K], weight [N, K], bias [N] or None -> [..., N]; activation "none" | "gelu" | "gelu_tanh".
+          approximate: str = "none", prepared: PreparedWeights | None = None):
+    """x [..., K], weight [N, K], bias [N] or None -> [..., N]; activation "none" | "gelu", GELU's form
+    `approximate` "none" (erf) | "tanh", as in bias_gelu and torch's F.gelu.
     `prepared`: the PreparedWeights of the module that owns `weight`, where kernels may keep a packed copy."""
     _checks.tensor("x", x, (1, 2, 3, 4))
     _checks.tensor("weight", weight, (2,))
@@ -25,22 +26,32 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
         _checks.shape("bias", bias, (weight.shape[0],), "weight's first dimension")
     if activation not in reference.ACTIVATIONS:
         raise ValueError(f"activation must be one of {reference.ACTIVATIONS}, got {activation!r}")
+    if approximate not in reference.APPROXIMATIONS:
+        raise ValueError(f"approximate must be one of {reference.APPROXIMATIONS}, got {approximate!r}")
+    if activation == "none" and approximate != "none":
+        raise ValueError(f"approximate={approximate!r} is GELU's form: it needs activation='gelu'")
     if prepared is not None and not isinstance(prepared, PreparedWeights):
         raise ValueError(f"prepared must be a fastbert.ops.PreparedWeights or None, got {type(prepared).__name__}")
-    return dispatch.call("dense", {"tensors": (x, weight, bias)}, x, weight, bias, activation, prepared)
+    epilogue = EPILOGUES[activation, approximate]
+    return dispatch.call("dense", {"tensors": (x, weight, bias)}, x, weight, bias, epilogue, prepared)
+
+
+# The kernels' one code for what follows the GEMM.
+EPILOGUES = {("none", "none"): "none", ("gelu", "none"): "gelu", ("gelu", "tanh"): "gelu_tanh"}
 
 
 @dispatch.register("dense", "reference", dispatch.Support(("cpu", "cuda"), dispatch.FLOATS))
-def _reference(x, weight, bias, activation, prepared):
-    return reference.dense(x, weight, bias, activation)
+def _reference(x, weight, bias, epilogue, prepared):
+    activation, approximate = next(k for k, v in EPILOGUES.items() if v == epilogue)
+    return reference.dense(x, weight, bias, activation, approximate)
 
 
 def _grad_bias_shape(weight, bias):
     return (weight.shape[0],) if bias is not None else (0,)
 
 
-# activation(x @ weight.T + bias) for x [..., K], weight [N, K]; the backward returns (grad of x, of weight,
-# of bias: [0] without one).
+# epilogue(x @ weight.T + bias) for x [..., K], weight [N, K], epilogue "none" | "gelu" | "gelu_tanh" (the
+# kernels' one code, EPILOGUES); the backward returns (grad of x, of weight, of bias: [0] without one).
 SPEC = OpSpec(
     "dense",
     forward_schema="(Tensor x, Tensor weight, Tensor? bias, str activation) -> Tensor",
@@ -53,9 +64,9 @@ SPEC = OpSpec(
 )
 
 
-def approximation(activation: str) -> str:
-    """The bias_gelu op's `approximate` for a dense `activation` ("gelu" or "gelu_tanh")."""
-    return "tanh" if activation == "gelu_tanh" else "none"
+def approximation(epilogue: str) -> str:
+    """The bias_gelu op's `approximate` for a GELU epilogue ("gelu" or "gelu_tanh")."""
+    return "tanh" if epilogue == "gelu_tanh" else "none"
 
 
 # ------------------------------------------------------------------------ onednn: torch's own oneDNN GEMM

@@ -10,7 +10,8 @@ import math
 
 import torch
 
-ACTIVATIONS = ("none", "gelu", "gelu_tanh")
+ACTIVATIONS = ("none", "gelu")
+APPROXIMATIONS = ("none", "tanh")  # GELU's form: exact (erf) or tanh, as torch.nn.functional.gelu spells it
 
 
 def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
@@ -23,15 +24,11 @@ def bias_gelu(x, bias, approximate="none"):
     return gelu(x + bias, approximate)
 
 
-def dense(x, weight, bias=None, activation="none"):
+def dense(x, weight, bias=None, activation="none", approximate="none"):
     y = x @ weight.t()
     if bias is not None:
         y = y + bias
-    if activation == "gelu":
-        y = gelu(y)
-    elif activation == "gelu_tanh":
-        y = gelu(y, "tanh")
-    return y
+    return gelu(y, approximate) if activation == "gelu" else y
 
 
 def qkv_projection(x, weight, bias, num_heads):
