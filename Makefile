@@ -20,7 +20,7 @@ setup: $(STAMP) build
 
 # Builds fastbert._C (csrc/, ninja) in place, again whenever a C++ source changes.
 BUILT := $(VENV)/.fastbert-built
-$(BUILT): $(STAMP) setup.py $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.h)
+$(BUILT): $(STAMP) setup.py $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu csrc/*/*.cuh)
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $(BUILT)
 

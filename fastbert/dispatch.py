@@ -114,6 +114,22 @@ def implementations(op: str) -> dict[str, Impl]:
     return dict(_REGISTRY[op])
 
 
+@contextlib.contextmanager
+def scratch_registry():
+    """Inside the block register() may put stand-in backends in; afterwards the registry is as it was,
+    and remembered choices and logged fallbacks are forgotten (for tests)."""
+    saved = {op: dict(impls) for op, impls in _REGISTRY.items()}
+    _logged.clear()
+    try:
+        yield
+    finally:
+        for op, impls in saved.items():
+            _REGISTRY[op].clear()
+            _REGISTRY[op].update(impls)
+        _choices.clear()
+        _logged.clear()
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 

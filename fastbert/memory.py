@@ -2,9 +2,8 @@
 
 torch's CPU allocator has no cache: every tensor is a malloc. glibc serves allocations above its mmap
 threshold (at most 32 MB however it adapts) with fresh pages from the kernel and returns them on free,
-so a BERT activation of 50 MB (4096 tokens x 3072 fp32) is faulted in page by page on every call.
-Measured on the Zen 5 VM: a 4096 x 768 -> 3072 oneDNN linear + GELU took 45-53 ms against 38 ms
-with the freed memory kept; BERT-base 8x512 fp32 forward 2040 -> 1656 ms. ONNX Runtime avoids the
+so a BERT activation of 50 MB (4096 tokens x 3072 fp32) is faulted in page by page on every call
+(what that costs: benchmarks/RESULTS.md, "fastbert.keep_freed_memory()"). ONNX Runtime avoids the
 same cost with its own arena. The price: memory freed by Python is kept by the process (its
 resident size stays at its peak) instead of going back to the operating system.
 """

@@ -28,12 +28,8 @@ def test_reference_always_qualifies_and_reasons_are_words():
 @pytest.fixture
 def restore_registry():
     """Tests that register stand-in backends put the real registry back afterwards."""
-    saved = {op: dict(impls) for op, impls in dispatch._REGISTRY.items()}
-    yield
-    for op, impls in saved.items():
-        dispatch._REGISTRY[op].clear()
-        dispatch._REGISTRY[op].update(impls)
-    dispatch._choices.clear()
+    with dispatch.scratch_registry():
+        yield
 
 
 def test_reason_lists_dtype_device_head_dim_and_probabilities(restore_registry):
@@ -52,7 +48,6 @@ def test_reason_lists_dtype_device_head_dim_and_probabilities(restore_registry):
 
 def test_fallback_logged_once_per_op_and_reason(caplog, restore_registry):
     dispatch.register("dense", "cpu", dispatch.Support(("cpu",), (torch.bfloat16,)))(lambda *a: None)
-    dispatch._logged.clear()
     x, w = torch.randn(2, 4), torch.randn(3, 4)
     with caplog.at_level(logging.WARNING, logger="fastbert"):
         for _ in range(3):

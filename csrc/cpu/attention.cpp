@@ -3,11 +3,11 @@
 //
 // One task per (sequence, head), spread over threads in contiguous chunks; tasks run head by head, so
 // each thread gets its share of every sequence (sequence by sequence, a thread could get only the long
-// ones: 2x512 with 237 and 432 kept keys ran 1.13x slower). A task reads its q, k, v rows in place (any
+// ones). A task reads its q, k, v rows in place (any
 // row strides), then walks query blocks x key blocks: scores by GEMM (a register-blocked micro-kernel in
 // the forward, torch's BLAS in the backward: see blas_sgemm), online softmax in fp32, P @ V accumulated
 // in fp32. bfloat16 is converted to fp32 first, except in a forward built with avx512_bf16, which
-// multiplies bfloat16 pairs (Bf16Products: 8x128 padded 1.42 -> 0.83 ms). Trailing padding keys are
+// multiplies bfloat16 pairs (Bf16Products). Trailing padding keys are
 // skipped, not computed and masked. logsumexp is saved per row; backward recomputes the probabilities
 // block by block (no S x S matrix is ever stored).
 // A query row with no kept key gets zeros, and logsumexp +inf so backward sees probabilities of 0.
@@ -33,8 +33,8 @@ namespace fastbert {
 namespace {
 
 constexpr int64_t kBlockQ = 128;
-// Key blocks of 512: fewer and larger BLAS calls, fewer online-softmax rescales (2x512 padded fp32
-// forward 8.95 -> 7.65 ms against 128), and the S tile (128 x 512 fp32, 256 KB) still fits in L2.
+// Key blocks of 512: fewer and larger BLAS calls, fewer online-softmax rescales (faster than 128:
+// benchmarks/RESULTS.md), and the S tile (128 x 512 fp32, 256 KB) still fits in L2.
 constexpr int64_t kBlockK = 512;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
@@ -63,8 +63,8 @@ void gemm_rows(int64_t N, int64_t K, const float* A, int64_t lda, const float* B
     VecF acc[R][2];
     // The k loop accumulates in the lambda's own locals, with the full-block load chosen once outside
     // it, and hands them to `acc` only at the end: written as one loop over `acc`, or with the stores
-    // to C inside the lambda too, GCC stored every accumulator back to the stack on every step (2x
-    // slower: 55 -> 90-130 GFLOP/s on 2 cores).
+    // to C inside the lambda too, GCC stored every accumulator back to the stack on every step (half
+    // the speed).
     auto run = [&](auto load) {
       VecF a0[R], a1[R];
       for (int r = 0; r < R; ++r) a0[r] = a1[r] = VecF(0.f);
@@ -105,8 +105,8 @@ constexpr bool kForward = true, kBackward = false;
 
 // BLAS, or null for the micro-kernel. FASTBERT_CPU_BLAS=0 / 1 forces one of them everywhere. Otherwise
 // the forward's products go to the micro-kernel where AVX-512 is built: BLAS packs both operands on
-// every call, which at these tile sizes costs more than it saves (forward 1.04-1.19x MKL at BERT
-// shapes); the backward's transposed products stay on BLAS (there the micro-kernel was 0.95-1.02x).
+// every call, which at these tile sizes costs more than it saves; the backward's transposed products
+// stay on BLAS, where the micro-kernel did not win (benchmarks/RESULTS.md).
 sgemm_fn blas_sgemm(bool forward) {
   static const sgemm_fn found = [] {
     void* lib = dlopen("libtorch_cpu.so", RTLD_LAZY | RTLD_NOLOAD);
