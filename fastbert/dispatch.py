@@ -20,6 +20,8 @@ from typing import Callable
 
 import torch
 
+from fastbert.records import Call, note, record  # noqa: F401  (fastbert.dispatch.record() is public)
+
 logger = logging.getLogger("fastbert")
 
 BACKENDS = ("cuda", "triton", "cpu", "reference")  # default priority, best first
@@ -233,54 +235,6 @@ def forced_backend(op: str) -> tuple[str, str] | None:
 
 
 # --------------------------------------------------------------------------------------------------
-# Records: which backend ran each call, for tests and for users who want to know.
-
-
-class Call(tuple):
-    """(op, backend), equal to a plain 2-tuple; `.skipped` maps each passed-over backend to its reasons."""
-
-    def __new__(cls, op: str, backend: str, skipped: dict[str, list[str]] | None = None):
-        self = super().__new__(cls, (op, backend))
-        self.skipped = skipped or {}
-        return self
-
-    @property
-    def op(self) -> str:
-        return self[0]
-
-    @property
-    def backend(self) -> str:
-        return self[1]
-
-
-_records_lock = threading.Lock()
-_active_records: list[list[Call]] = []
-
-
-@contextlib.contextmanager
-def record():
-    """Collect every op call (forward and backward, any thread) made inside the block."""
-    calls: list[Call] = []
-    with _records_lock:
-        _active_records.append(calls)
-    try:
-        yield calls
-    finally:
-        with _records_lock:  # by identity: two open records may hold equal lists
-            _active_records[:] = [c for c in _active_records if c is not calls]
-
-
-def note(op: str, backend: str, skipped: dict[str, list[str]] | None = None) -> None:
-    """Record that `backend` ran `op` (backward passes note `op + '.backward'`)."""
-    if not _active_records or torch.compiler.is_compiling():
-        return
-    call = Call(op, backend, skipped)
-    with _records_lock:
-        for calls in _active_records:
-            calls.append(call)
-
-
-# --------------------------------------------------------------------------------------------------
 # Selection.
 
 _logged: set[tuple[str, str]] = set()
@@ -384,33 +338,3 @@ def follows_autocast(public_op):
             return public_op(*(cast(a) for a in args), **{k: cast(v) for k, v in kwargs.items()})
 
     return wrapper
-
-
-# --------------------------------------------------------------------------------------------------
-# Output allocation: kernels allocate here so tests can poison every output before it is written.
-
-_poison = threading.local()
-
-
-@contextlib.contextmanager
-def poison_outputs():
-    """Inside the block, kernel outputs start NaN-filled, so an element a kernel forgets fails."""
-    previous = getattr(_poison, "on", False)
-    _poison.on = True
-    try:
-        yield
-    finally:
-        _poison.on = previous
-
-
-def empty(*shape, dtype: torch.dtype, device) -> torch.Tensor:
-    if len(shape) == 1 and isinstance(shape[0], (tuple, list)) and shape[0]:
-        shape = shape[0]  # torch.empty(*sizes) parses ~1 us faster than torch.empty(torch.Size)
-    out = torch.empty(*shape, dtype=dtype, device=device)
-    if getattr(_poison, "on", False) and out.is_floating_point():
-        out.fill_(float("nan"))
-    return out
-
-
-def empty_like(t: torch.Tensor) -> torch.Tensor:
-    return empty(t.shape, dtype=t.dtype, device=t.device)

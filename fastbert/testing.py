@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastbert.dispatch import poison_outputs  # noqa: F401  (re-exported for tests)
+from fastbert.ops._alloc import poison_outputs  # noqa: F401  (re-exported for tests)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import fastbert
-from fastbert import dispatch, ops
+from fastbert import dispatch, ops, records
 
 VOCAB = 100
 THREADS = 4
@@ -25,10 +25,10 @@ THREADS = 4
 def _no_leaked_records():
     """A record() that failed to close (see test_nested_records_with_equal_contents) stays in the active
     list and collects every later call of the session: memory and time. Keep that failure local."""
-    before = list(dispatch._active_records)
+    before = list(records._active_records)
     yield
-    with dispatch._records_lock:
-        dispatch._active_records[:] = [c for c in dispatch._active_records if any(c is b for b in before)]
+    with records._records_lock:
+        records._active_records[:] = [c for c in records._active_records if any(c is b for b in before)]
 
 
 def tiny_model(dtype=torch.float32):

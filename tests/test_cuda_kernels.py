@@ -9,7 +9,7 @@ import torch
 
 from fastbert import BackendUnavailable, dispatch, ops
 from fastbert.ops import reference
-from fastbert.testing import assert_close, grad_floor, upcast
+from fastbert.testing import assert_close, grad_floor, poison_outputs, upcast
 
 REASONS = dispatch.machine_reasons("cuda") or (() if torch.cuda.is_available() else ("no CUDA GPU",))
 pytestmark = pytest.mark.skipif(bool(REASONS), reason="cuda unavailable: " + "; ".join(REASONS))
@@ -28,7 +28,7 @@ def test_cuda_add_layer_norm_every_row_length_matches_reference(rows, n):
     x, r, gr = (torch.randn(rows, n, generator=g) for _ in range(3))
     w, b = torch.randn(n, generator=g), torch.randn(n, generator=g)
     dev = [t.cuda().requires_grad_() for t in (x, r, w, b)]
-    with dispatch.poison_outputs():
+    with poison_outputs():
         out, mean, rstd = _aln(*dev, 0.0, 0)
     grads = torch.autograd.grad(out, dev, gr.cuda())
     truth_in = [t.clone().requires_grad_() for t in upcast(x, r, w, b)]
@@ -75,7 +75,7 @@ def test_cuda_bias_gelu_shapes_and_dtypes(rows, n, tanh, dtype):
     x, gr = torch.randn(rows, n, generator=g).to(dtype), torch.randn(rows, n, generator=g).to(dtype)
     b = torch.randn(n, generator=g).to(dtype)
     xs, bs = x.cuda().requires_grad_(), b.cuda().requires_grad_()
-    with dispatch.poison_outputs():
+    with poison_outputs():
         out = torch.ops.fastbert.bias_gelu_cxx(xs, bs, "tanh" if tanh else "none")
     gx, gb = torch.autograd.grad(out, (xs, bs), gr.cuda())
     truth_in = [t.clone().requires_grad_() for t in upcast(x, b)]
@@ -95,7 +95,7 @@ DTYPE_IDS = ["float32", "float16", "bfloat16"]
 
 def _attention(fn, inputs, args, grad, backend, **kwargs):
     """fn(*inputs, *args, **kwargs) and the gradients of `inputs`, asserting `backend` ran both ways."""
-    with dispatch.use_backend(backend), dispatch.poison_outputs(), dispatch.record() as calls:
+    with dispatch.use_backend(backend), poison_outputs(), dispatch.record() as calls:
         out = fn(*inputs, *args, **kwargs)
         grads = torch.autograd.grad(out, inputs, grad)
     assert calls and {c[1] for c in calls} == {backend}, calls

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from fastbert import dispatch
+from fastbert.records import note
 
 
 def needs_grad(*tensors) -> bool:
@@ -92,7 +92,7 @@ class KernelPair:
         first = next((a for a in saved if isinstance(a, torch.Tensor)), None)
         op = self.spec.recorded_as(saved) if self.spec.recorded_as else self.spec.name
         backend = self.backend(first.device.type) if callable(self.backend) else self.backend
-        dispatch.note(op + ".backward", backend)
+        note(op + ".backward", backend)
         results = self.backward(*grads[: self.spec.differentiable_outputs], *saved)
         results = results if isinstance(results, tuple) else (results,)
         return self.spec.input_grads(ctx.input_meta, results)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from fastbert import dispatch
-from fastbert.ops import _checks, reference
+from fastbert.ops import _alloc, _checks, reference
 from fastbert.ops._op import OpSpec, by_device
 from fastbert.ops._seed import dropout_seed, seed_int
 
@@ -67,10 +67,10 @@ SPEC = OpSpec(
 
 def _cxx_forward(x, residual, weight, bias, eps, dropout_p, seed):
     x, residual = x.contiguous(), residual.contiguous()
-    out = dispatch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = _alloc.empty(x.shape, dtype=x.dtype, device=x.device)
     rows = x.numel() // x.shape[-1]
-    mean = dispatch.empty(rows, dtype=torch.float32, device=x.device)
-    rstd = dispatch.empty(rows, dtype=torch.float32, device=x.device)
+    mean = _alloc.empty(rows, dtype=torch.float32, device=x.device)
+    rstd = _alloc.empty(rows, dtype=torch.float32, device=x.device)
     torch.ops.fastbert_C.add_layer_norm_fwd(x, residual, weight.contiguous(), bias.contiguous(), eps, dropout_p,
                                             seed_int(seed), out, mean, rstd)
     return out, mean, rstd
@@ -78,10 +78,10 @@ def _cxx_forward(x, residual, weight, bias, eps, dropout_p, seed):
 
 def _cxx_backward(grad, x, residual, weight, mean, rstd, dropout_p, seed):
     x = x.contiguous()
-    grad_h = dispatch.empty(x.shape, dtype=x.dtype, device=x.device)
-    grad_x = dispatch.empty(x.shape if dropout_p > 0 else (0,), dtype=x.dtype, device=x.device)
-    grad_weight = dispatch.empty(x.shape[-1], dtype=torch.float32, device=x.device)
-    grad_bias = dispatch.empty(x.shape[-1], dtype=torch.float32, device=x.device)
+    grad_h = _alloc.empty(x.shape, dtype=x.dtype, device=x.device)
+    grad_x = _alloc.empty(x.shape if dropout_p > 0 else (0,), dtype=x.dtype, device=x.device)
+    grad_weight = _alloc.empty(x.shape[-1], dtype=torch.float32, device=x.device)
+    grad_bias = _alloc.empty(x.shape[-1], dtype=torch.float32, device=x.device)
     torch.ops.fastbert_C.add_layer_norm_bwd(grad.contiguous(), x, residual.contiguous(), weight.contiguous(), mean,
                                             rstd, dropout_p, seed_int(seed), grad_h, grad_x, grad_weight, grad_bias)
     return grad_h, grad_x, grad_weight.to(weight.dtype), grad_bias.to(weight.dtype)
@@ -109,14 +109,14 @@ dispatch.register("add_layer_norm", "cuda",
 def _triton_forward(x, residual, weight, bias, eps, dropout_p, seed):
     from fastbert.kernels import add_layer_norm as kernel
 
-    return kernel.add_layer_norm_forward(x, residual, weight, bias, eps, dropout_p, seed, empty=dispatch.empty)
+    return kernel.add_layer_norm_forward(x, residual, weight, bias, eps, dropout_p, seed, empty=_alloc.empty)
 
 
 def _triton_backward(grad, x, residual, weight, mean, rstd, dropout_p, seed):
     from fastbert.kernels import add_layer_norm as kernel
 
     grad_h, grad_x, grad_weight, grad_bias = kernel.add_layer_norm_backward(
-        grad, x, residual, weight, mean, rstd, dropout_p, seed, empty=dispatch.empty)
+        grad, x, residual, weight, mean, rstd, dropout_p, seed, empty=_alloc.empty)
     return grad_h, x.new_empty(0) if grad_x is None else grad_x, grad_weight, grad_bias
 
 

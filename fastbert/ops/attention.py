@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from fastbert import dispatch
-from fastbert.ops import _checks, reference
+from fastbert.ops import _alloc, _checks, reference
 from fastbert.ops._op import OpSpec, by_device
 from fastbert.ops._seed import dropout_seed, seed_int
 
@@ -71,7 +71,7 @@ def _head_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _empty_output(q: torch.Tensor, allocate=dispatch.empty) -> torch.Tensor:
+def _empty_output(q: torch.Tensor, allocate=_alloc.empty) -> torch.Tensor:
     """[B, heads, S, d] as a view of a [B, S, heads, d] buffer: the output projection reads it in place."""
     if q.dim() == 4:
         b, h, s, d = q.shape
@@ -110,7 +110,7 @@ SPEC = OpSpec(
 def _cxx_forward(q, k, v, key_mask, cu_seqlens, max_seqlen, scale, dropout_p, seed):
     q, k, v = (_head_dim_contiguous(t) for t in (q, k, v))
     out = _empty_output(q)
-    lse = dispatch.empty(_lse_shape(q), dtype=torch.float32, device=q.device)
+    lse = _alloc.empty(_lse_shape(q), dtype=torch.float32, device=q.device)
     torch.ops.fastbert_C.attention_fwd(q, k, v, key_mask, cu_seqlens, scale, dropout_p, seed_int(seed), out, lse)
     return out, lse
 
@@ -169,7 +169,7 @@ def _triton_forward(q, k, v, key_mask, cu_seqlens, max_seqlen, scale, dropout_p,
     from fastbert.kernels import attention as kernels
 
     out = _empty_output(q)
-    lse = dispatch.empty(_lse_shape(q), dtype=torch.float32, device=q.device)
+    lse = _alloc.empty(_lse_shape(q), dtype=torch.float32, device=q.device)
     kernels.forward(q, k, v, _key_bytes(key_mask), cu_seqlens, max_seqlen, scale, dropout_p, seed, out, lse)
     return out, lse
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from fastbert import dispatch
-from fastbert.ops import _checks, reference
+from fastbert.ops import _alloc, _checks, reference
 from fastbert.ops._op import OpSpec, by_device
 
 
@@ -40,14 +40,14 @@ SPEC = OpSpec(
 
 def _cxx_forward(x, bias, approximate):
     x = x.contiguous()
-    out = dispatch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = _alloc.empty(x.shape, dtype=x.dtype, device=x.device)
     torch.ops.fastbert_C.bias_gelu_fwd(x, bias.contiguous(), approximate == "tanh", out)
     return out
 
 
 def _cxx_backward(grad, x, bias, approximate):
     x = x.contiguous()
-    grad_x = dispatch.empty(x.shape, dtype=x.dtype, device=x.device)
+    grad_x = _alloc.empty(x.shape, dtype=x.dtype, device=x.device)
     torch.ops.fastbert_C.bias_gelu_bwd(grad.contiguous(), x, bias.contiguous(), approximate == "tanh", grad_x)
     # The bias gradient summed in fp32 (as the triton kernel does), returned in bias's dtype.
     return grad_x, grad_x.reshape(-1, bias.shape[0]).sum(0, dtype=torch.float32).to(bias.dtype)
@@ -66,13 +66,13 @@ for _device in ("cpu", "cuda"):
 def _triton_forward(x, bias, approximate):
     from fastbert.kernels import bias_gelu as kernel
 
-    return kernel.bias_gelu_forward(x, bias, approximate == "tanh", empty=dispatch.empty)
+    return kernel.bias_gelu_forward(x, bias, approximate == "tanh", empty=_alloc.empty)
 
 
 def _triton_backward(grad, x, bias, approximate):
     from fastbert.kernels import bias_gelu as kernel
 
-    return kernel.bias_gelu_backward(grad, x, bias, approximate == "tanh", empty=dispatch.empty)
+    return kernel.bias_gelu_backward(grad, x, bias, approximate == "tanh", empty=_alloc.empty)
 
 
 TRITON = SPEC.kernels("triton", _triton_forward, _triton_backward, "triton")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from fastbert import dispatch
-from fastbert.ops import _checks, _onednn, reference
+from fastbert.ops import _alloc, _checks, _onednn, reference
 from fastbert.ops._op import OpSpec, entry, needs_grad
 from fastbert.ops.bias_gelu import CXX as bias_gelu_cxx
 from fastbert.ops.prepared import PreparedWeights
@@ -122,7 +122,7 @@ def _triton_forward(x, weight, bias, activation):
     from fastbert.kernels import dense as kernel
 
     x2d = x.reshape(-1, x.shape[-1]).contiguous()
-    out = dispatch.empty((x2d.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    out = _alloc.empty((x2d.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
     kernel.dense(x2d, weight.contiguous(), None if bias is None else bias.contiguous(), activation, out)
     return out.view(*x.shape[:-1], weight.shape[0])
 
@@ -138,7 +138,7 @@ def triton_linear_backward(grad, x, weight, bias, activation):
     m, weight = x2d.shape[0], weight.contiguous()
 
     def gemm(a, b, rows, cols):  # a [rows, inner] @ b [cols, inner].T, fp32 accumulation, in a's dtype
-        out = dispatch.empty((rows, cols), dtype=x2d.dtype, device=x2d.device)
+        out = _alloc.empty((rows, cols), dtype=x2d.dtype, device=x2d.device)
         if out.numel() == 0 or a.shape[1] == 0:  # nothing to launch; an empty sum is zero
             return out.zero_()
         return kernel.dense(a, b, None, "none", out)
@@ -147,7 +147,7 @@ def triton_linear_backward(grad, x, weight, bias, activation):
         b = torch.zeros(n, dtype=x2d.dtype, device=x2d.device) if bias is None else bias.contiguous()
         z = gemm(x2d, weight, m, n)
         g2d, _ = gelu_kernel.bias_gelu_backward(g2d.contiguous(), z, b, approximation(activation) == "tanh",
-                                                empty=dispatch.empty)
+                                                empty=_alloc.empty)
     g2d = g2d.contiguous()
     grad_t = g2d.t().contiguous()  # [N, M]
     grad_x = gemm(g2d, weight.t().contiguous(), m, k)

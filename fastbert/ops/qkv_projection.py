@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from fastbert import dispatch
-from fastbert.ops import _checks, _onednn, reference
+from fastbert.ops import _alloc, _checks, _onednn, reference
 from fastbert.ops.dense import onednn_linear, triton_linear_backward
 from fastbert.ops._op import OpSpec
 from fastbert.ops.prepared import PreparedWeights
@@ -74,7 +74,7 @@ SPEC = OpSpec(
 def _triton_forward(x, weight, bias, num_heads):
     from fastbert.kernels import dense as kernel
 
-    out = dispatch.empty(_head_major_shape(x, num_heads), dtype=x.dtype, device=x.device)
+    out = _alloc.empty(_head_major_shape(x, num_heads), dtype=x.dtype, device=x.device)
     x2d = x.reshape(-1, x.shape[-1]).contiguous()
     kernel.qkv_head_major(x2d, weight.contiguous(), None if bias is None else bias.contiguous(), num_heads,
                           x.shape[1] if x.dim() == 3 else 0, out)
