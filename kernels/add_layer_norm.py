@@ -15,16 +15,15 @@ Kept elements are scaled by 1 / (1 - p), as torch.nn.functional.dropout does.
 dweight and dbias: each backward program walks a contiguous chunk of rows, accumulates dy * xhat and
 dy in fp32 registers, and writes one row of a [G, N] fp32 buffer; the host sums the G rows.
 
-Host functions allocate through `empty` (torch.empty's signature), so a caller can hand in an
-allocator that NaN-fills, and a test then sees any element a kernel forgets to write.
+Host functions write into outputs the caller allocated (kernels/_launch.py).
 """
 from __future__ import annotations
-
-import contextlib
 
 import torch
 import triton
 import triton.language as tl
+
+from fastbert.kernels._launch import on_device_of
 
 MAX_N = 65536  # one row must fit one program's block
 
@@ -157,10 +156,6 @@ def _settings(n_cols: int) -> tuple[int, int]:
     return block, num_warps
 
 
-def _device_context(t: torch.Tensor):
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
 def _dropout_args(dropout_p: float, seed: torch.Tensor | None, dummy: torch.Tensor):
     if dropout_p > 0:
         if seed is None or seed.numel() != 1 or seed.dtype != torch.int64:
@@ -169,20 +164,18 @@ def _dropout_args(dropout_p: float, seed: torch.Tensor | None, dummy: torch.Tens
     return dummy, 1.0  # never read
 
 
-def add_layer_norm_forward(x, residual, weight, bias, eps: float, dropout_p: float = 0.0,
-                           seed: torch.Tensor | None = None, empty=torch.empty):
-    """(y [..., N] in x's dtype, mean fp32 [rows], rstd fp32 [rows]) for y = layer_norm(dropout(x) + residual)."""
+def add_layer_norm_forward(x, residual, weight, bias, eps: float, dropout_p: float, seed: torch.Tensor | None,
+                           y, mean, rstd):
+    """Writes y (contiguous, x's shape and dtype) = layer_norm(dropout(x) + residual), and the fp32
+    statistics mean, rstd [rows]."""
     n_cols = x.shape[-1]
     block, num_warps = _settings(n_cols)
     x2, r2 = _rows(x, n_cols), _rows(residual, n_cols)
     n_rows = x2.shape[0]
-    y = empty(x.shape, dtype=x.dtype, device=x.device)
-    mean = empty(n_rows, dtype=torch.float32, device=x.device)
-    rstd = empty(n_rows, dtype=torch.float32, device=x.device)
     if n_rows == 0:
         return y, mean, rstd
     seed_arg, scale = _dropout_args(dropout_p, seed, x2)
-    with _device_context(x):
+    with on_device_of(x):
         _add_layer_norm_forward_kernel[(n_rows,)](
             y, mean, rstd, x2, x2.stride(0), r2, r2.stride(0), weight.contiguous(), bias.contiguous(), seed_arg,
             n_cols, eps, dropout_p, scale,
@@ -191,32 +184,31 @@ def add_layer_norm_forward(x, residual, weight, bias, eps: float, dropout_p: flo
     return y, mean, rstd
 
 
-def add_layer_norm_backward(grad, x, residual, weight, mean, rstd, dropout_p: float = 0.0,
-                            seed: torch.Tensor | None = None, empty=torch.empty):
-    """(dresidual, dx, dweight, dbias) from dL/dy `grad`. dx is None without dropout (it equals dresidual);
-    dweight and dbias are reduced in fp32 and returned in weight's dtype."""
+def add_layer_norm_backward(grad, x, residual, weight, mean, rstd, dropout_p: float, seed: torch.Tensor | None,
+                            dh, dx, dweight, dbias):
+    """Writes, from dL/dy `grad`: dh = dL/dresidual and, with dropout, dx = dL/dx (contiguous, x's shape
+    and dtype; without dropout dx is not written: it equals dh); dweight, dbias (weight's dtype) reduced
+    in fp32."""
     n_cols = x.shape[-1]
     block, num_warps = _settings(n_cols)
     x2, r2, dy = _rows(x, n_cols), _rows(residual, n_cols), _rows(grad, n_cols)
     n_rows = x2.shape[0]
-    dh = empty(x.shape, dtype=x.dtype, device=x.device)
-    dx = empty(x.shape, dtype=x.dtype, device=x.device) if dropout_p > 0 else None
     if n_rows == 0:
-        return dh, dx, torch.zeros_like(weight), torch.zeros_like(weight)
+        return dh, dx, dweight.zero_(), dbias.zero_()
     if x.is_cuda:
         groups = min(n_rows, torch.cuda.get_device_properties(x.device).multi_processor_count)
     else:  # the interpreter: programs run one after another, fewer is faster
         groups = min(n_rows, 8)
     rows_per_program = triton.cdiv(n_rows, groups)
     groups = triton.cdiv(n_rows, rows_per_program)  # no program without rows
-    dw_partial = empty((groups, n_cols), dtype=torch.float32, device=x.device)
-    db_partial = empty((groups, n_cols), dtype=torch.float32, device=x.device)
+    dw_partial = torch.empty((groups, n_cols), dtype=torch.float32, device=x.device)  # every row written
+    db_partial = torch.empty((groups, n_cols), dtype=torch.float32, device=x.device)
     seed_arg, scale = _dropout_args(dropout_p, seed, x2)
-    with _device_context(x):
+    with on_device_of(x):
         _add_layer_norm_backward_kernel[(groups,)](
-            dh, dh if dx is None else dx, dw_partial, db_partial, dy, dy.stride(0), x2, x2.stride(0),
+            dh, dh if dropout_p == 0 else dx, dw_partial, db_partial, dy, dy.stride(0), x2, x2.stride(0),
             r2, r2.stride(0), weight.contiguous(), mean, rstd, seed_arg,
             n_rows, n_cols, rows_per_program, dropout_p, scale,
             HAS_DROPOUT=dropout_p > 0, BLOCK=block, num_warps=num_warps,
         )
-    return dh, dx, dw_partial.sum(0).to(weight.dtype), db_partial.sum(0).to(weight.dtype)
+    return dh, dx, dweight.copy_(dw_partial.sum(0)), dbias.copy_(db_partial.sum(0))

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fastbert.kernels._launch import on_device_of
+
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E)
 
 
@@ -369,13 +371,14 @@ def forward(q, k, v, key_mask, cu_seqlens, max_seqlen, scale, dropout_p, seed, o
     block_m, block_n, block_d, warps = _config(q)
     mask, stride_mb, stride_ms = _mask_args(key_mask, lse)
     grid = (triton.cdiv(max_len, block_m), heads, sequences)
-    _attention_fwd_kernel[grid](
-        q, k, v, out, lse, mask, cu_seqlens if cu_seqlens is not None else lse, seed if seed is not None else lse,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_row_strides(lse), stride_mb, stride_ms,
-        heads, max_len, q.shape[-1], scale * LOG2E, dropout_p, 1.0 / (1.0 - dropout_p),
-        HAS_MASK=key_mask is not None, IS_VARLEN=cu_seqlens is not None, DROPOUT=dropout_p > 0,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION="ieee", num_warps=warps,
-    )
+    with on_device_of(q):
+        _attention_fwd_kernel[grid](
+            q, k, v, out, lse, mask, cu_seqlens if cu_seqlens is not None else lse, seed if seed is not None else lse,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_row_strides(lse), stride_mb, stride_ms,
+            heads, max_len, q.shape[-1], scale * LOG2E, dropout_p, 1.0 / (1.0 - dropout_p),
+            HAS_MASK=key_mask is not None, IS_VARLEN=cu_seqlens is not None, DROPOUT=dropout_p > 0,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION="ieee", num_warps=warps,
+        )
 
 
 def backward(grad, q, k, v, out, lse, key_mask, cu_seqlens, max_seqlen, scale, dropout_p, seed, dq, dk, dv):
@@ -393,13 +396,14 @@ def backward(grad, q, k, v, out, lse, key_mask, cu_seqlens, max_seqlen, scale, d
                   BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION="ieee", num_warps=warps)
     scalars = (heads, max_len, q.shape[-1], scale, scale * LOG2E, dropout_p, 1.0 / (1.0 - dropout_p))
     seed = seed if seed is not None else lse
-    _attention_bwd_dq_kernel[(triton.cdiv(max_len, block_m), heads, sequences)](
-        q, k, v, grad, dq, lse, delta, ds_rest, mask, cu, seed,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(grad), *_strides(dq),
-        *_row_strides(lse), stride_mb, stride_ms, *scalars, **common,
-    )
-    _attention_bwd_dkdv_kernel[(triton.cdiv(max_len, block_n), heads, sequences)](
-        q, k, v, grad, dk, dv, lse, delta, ds_rest, mask, cu, seed,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(grad), *_strides(dk), *_strides(dv),
-        *_row_strides(lse), stride_mb, stride_ms, *scalars, **common,
-    )
+    with on_device_of(q):
+        _attention_bwd_dq_kernel[(triton.cdiv(max_len, block_m), heads, sequences)](
+            q, k, v, grad, dq, lse, delta, ds_rest, mask, cu, seed,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(grad), *_strides(dq),
+            *_row_strides(lse), stride_mb, stride_ms, *scalars, **common,
+        )
+        _attention_bwd_dkdv_kernel[(triton.cdiv(max_len, block_n), heads, sequences)](
+            q, k, v, grad, dk, dv, lse, delta, ds_rest, mask, cu, seed,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(grad), *_strides(dk), *_strides(dv),
+            *_row_strides(lse), stride_mb, stride_ms, *scalars, **common,
+        )

@@ -6,17 +6,17 @@ fastbert/ops/bias_gelu.py. Arithmetic is fp32 whatever the input dtype; outputs 
 The bias gradient is reduced in fp32: every program sums its rows' dx into one row of a [G, N] fp32
 buffer, and the host sums those G rows.
 
-Host functions allocate through `empty` (torch.empty's signature), so a caller can hand in an
-allocator that NaN-fills, and a test then sees any element a kernel forgets to write.
+Host functions write into outputs the caller allocated (kernels/_launch.py).
 """
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
 import triton
 import triton.language as tl
+
+from fastbert.kernels._launch import on_device_of
 
 SQRT_1_2 = tl.constexpr(1.0 / math.sqrt(2.0))  # erf form: gelu(z) = z * Phi(z), Phi(z) = (1 + erf(z / sqrt 2)) / 2
 INV_SQRT_2PI = tl.constexpr(1.0 / math.sqrt(2.0 * math.pi))  # phi(z) = exp(-z^2 / 2) / sqrt(2 pi)
@@ -122,21 +122,16 @@ def _blocks(n_rows: int, n_cols: int) -> tuple[int, int]:
     return block_m, block_n
 
 
-def _device_context(t: torch.Tensor):
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
-def bias_gelu_forward(x: torch.Tensor, bias: torch.Tensor, tanh: bool, empty=torch.empty) -> torch.Tensor:
-    """gelu(x + bias) in x's dtype; x [..., N], bias [N]."""
+def bias_gelu_forward(x: torch.Tensor, bias: torch.Tensor, tanh: bool, y: torch.Tensor) -> torch.Tensor:
+    """y (contiguous, x's shape and dtype) = gelu(x + bias); x [..., N], bias [N]."""
     n_cols = x.shape[-1]
     x2 = _rows(x, n_cols)
     n_rows = x2.shape[0]
-    y = empty(x.shape, dtype=x.dtype, device=x.device)
     if y.numel() == 0:
         return y
     block_m, block_n = _blocks(n_rows, n_cols)
     grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
-    with _device_context(x):
+    with on_device_of(x):
         _bias_gelu_forward_kernel[grid](
             y, n_cols, x2, x2.stride(0), bias.contiguous(), n_rows, n_cols,
             TANH=tanh, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
@@ -144,15 +139,15 @@ def bias_gelu_forward(x: torch.Tensor, bias: torch.Tensor, tanh: bool, empty=tor
     return y
 
 
-def bias_gelu_backward(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, tanh: bool,
-                       empty=torch.empty) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dL/dx in x's dtype, dL/dbias in bias's dtype, reduced in fp32) from dL/dy `grad`."""
+def bias_gelu_backward(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, tanh: bool, dx: torch.Tensor,
+                       dbias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """dx (contiguous, x's shape and dtype) = dL/dx and dbias (bias's shape and dtype) = dL/dbias,
+    reduced in fp32, from dL/dy `grad`."""
     n_cols = x.shape[-1]
     x2, dy = _rows(x, n_cols), _rows(grad, n_cols)
     n_rows = x2.shape[0]
-    dx = empty(x.shape, dtype=x.dtype, device=x.device)
     if n_rows == 0:
-        return dx, torch.zeros_like(bias)
+        return dx, dbias.zero_()
     block_m, block_n = _blocks(n_rows, n_cols)
     col_blocks = triton.cdiv(n_cols, block_n)
     row_blocks = triton.cdiv(n_rows, block_m)
@@ -161,10 +156,10 @@ def bias_gelu_backward(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, 
         groups = min(row_blocks, max(1, 4 * sms // col_blocks))
     else:  # the interpreter: programs run one after another, fewer is faster
         groups = min(row_blocks, 4)
-    db_partial = empty((groups, n_cols), dtype=torch.float32, device=x.device)
-    with _device_context(x):
+    db_partial = torch.empty((groups, n_cols), dtype=torch.float32, device=x.device)  # every row written
+    with on_device_of(x):
         _bias_gelu_backward_kernel[(groups, col_blocks)](
             dx, db_partial, dy, dy.stride(0), x2, x2.stride(0), bias.contiguous(), n_rows, n_cols,
             TANH=tanh, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
         )
-    return dx, db_partial.sum(0).to(bias.dtype)
+    return dx, dbias.copy_(db_partial.sum(0))

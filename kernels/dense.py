@@ -9,6 +9,8 @@ so no transpose or copy follows the GEMM. Accumulation is fp32; fp32 inputs use 
 import triton
 import triton.language as tl
 
+from fastbert.kernels._launch import on_device_of
+
 ACTIVATIONS = {"none": 0, "gelu": 1, "gelu_tanh": 2}
 
 
@@ -68,12 +70,13 @@ def _launch(x2d, weight, bias, out, activation, rows_per_group, stride_group, st
     n = weight.shape[0]
     block_m, block_n, block_k, warps = _blocks(x2d)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _gemm_epilogue_kernel[grid](
-        x2d, weight, bias if bias is not None else weight, out, m, n, k, x2d.stride(0), weight.stride(0),
-        rows_per_group, stride_group, stride_row, cols_per_part, cols_per_head, stride_part, stride_head,
-        HAS_BIAS=bias is not None, ACTIVATION=ACTIVATIONS[activation], IEEE=x2d.dtype.is_floating_point and x2d.element_size() == 4,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-    )
+    with on_device_of(x2d):
+        _gemm_epilogue_kernel[grid](
+            x2d, weight, bias if bias is not None else weight, out, m, n, k, x2d.stride(0), weight.stride(0),
+            rows_per_group, stride_group, stride_row, cols_per_part, cols_per_head, stride_part, stride_head,
+            HAS_BIAS=bias is not None, ACTIVATION=ACTIVATIONS[activation], IEEE=x2d.dtype.is_floating_point and x2d.element_size() == 4,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        )
 
 
 def dense(x2d, weight, bias, activation, out):

@@ -109,15 +109,19 @@ dispatch.register("add_layer_norm", "cuda",
 def _triton_forward(x, residual, weight, bias, eps, dropout_p, seed):
     from fastbert.kernels import add_layer_norm as kernel
 
-    return kernel.add_layer_norm_forward(x, residual, weight, bias, eps, dropout_p, seed, empty=_alloc.empty)
+    rows = x.numel() // x.shape[-1]
+    out = _alloc.empty(x.shape, dtype=x.dtype, device=x.device)
+    mean, rstd = (_alloc.empty(rows, dtype=torch.float32, device=x.device) for _ in range(2))
+    return kernel.add_layer_norm_forward(x, residual, weight, bias, eps, dropout_p, seed, out, mean, rstd)
 
 
 def _triton_backward(grad, x, residual, weight, mean, rstd, dropout_p, seed):
     from fastbert.kernels import add_layer_norm as kernel
 
-    grad_h, grad_x, grad_weight, grad_bias = kernel.add_layer_norm_backward(
-        grad, x, residual, weight, mean, rstd, dropout_p, seed, empty=_alloc.empty)
-    return grad_h, x.new_empty(0) if grad_x is None else grad_x, grad_weight, grad_bias
+    grad_h = _alloc.empty(x.shape, dtype=x.dtype, device=x.device)
+    grad_x = _alloc.empty(x.shape if dropout_p > 0 else (0,), dtype=x.dtype, device=x.device)
+    return kernel.add_layer_norm_backward(grad, x, residual, weight, mean, rstd, dropout_p, seed, grad_h, grad_x,
+                                          _alloc.empty_like(weight), _alloc.empty_like(weight))
 
 
 TRITON = SPEC.kernels("triton", _triton_forward, _triton_backward, "triton")

@@ -66,13 +66,13 @@ for _device in ("cpu", "cuda"):
 def _triton_forward(x, bias, approximate):
     from fastbert.kernels import bias_gelu as kernel
 
-    return kernel.bias_gelu_forward(x, bias, approximate == "tanh", empty=_alloc.empty)
+    return kernel.bias_gelu_forward(x, bias, approximate == "tanh", _alloc.empty(x.shape, dtype=x.dtype, device=x.device))
 
 
 def _triton_backward(grad, x, bias, approximate):
     from fastbert.kernels import bias_gelu as kernel
 
-    return kernel.bias_gelu_backward(grad, x, bias, approximate == "tanh", empty=_alloc.empty)
+    return kernel.bias_gelu_backward(grad, x, bias, approximate == "tanh", _alloc.empty_like(x), _alloc.empty_like(bias))
 
 
 TRITON = SPEC.kernels("triton", _triton_forward, _triton_backward, "triton")

@@ -147,7 +147,7 @@ def triton_linear_backward(grad, x, weight, bias, activation):
         b = torch.zeros(n, dtype=x2d.dtype, device=x2d.device) if bias is None else bias.contiguous()
         z = gemm(x2d, weight, m, n)
         g2d, _ = gelu_kernel.bias_gelu_backward(g2d.contiguous(), z, b, approximation(activation) == "tanh",
-                                                empty=_alloc.empty)
+                                                _alloc.empty_like(z), torch.empty_like(b))
     g2d = g2d.contiguous()
     grad_t = g2d.t().contiguous()  # [N, M]
     grad_x = gemm(g2d, weight.t().contiguous(), m, k)
