@@ -234,6 +234,18 @@ class BertPreTrainedModel(nn.Module):
         """The entries of _tied_weights_keys that are tied in this model right now."""
         return {t: s for t, s in self._tied_weights_keys.items() if self.get_parameter(t) is self.get_parameter(s)}
 
+    def clear_prepared_weights(self) -> None:
+        """Forget every prepared (stacked, packed) weight: after writing parameters through `.data`, which
+        the version counter does not see. Moves (.to(), .cuda(), dtype changes) do it themselves."""
+        for module in self.modules():
+            prepared = getattr(module, "prepared", None)
+            if isinstance(prepared, ops.PreparedWeights):
+                prepared.clear()
+
+    def _apply(self, fn, *args, **kwargs):
+        self.clear_prepared_weights()  # a stale entry would keep the old storage alive until its next call
+        return super()._apply(fn, *args, **kwargs)
+
     def gradient_checkpointing_enable(self) -> None:
         """Trade compute for memory in training: encoder layers keep only their inputs for backward and
         run again there (as transformers' method of the same name)."""

@@ -144,6 +144,7 @@ def _attention_bwd_dkdv_kernel(
     LSE,  # float32 [B, heads, S] | [heads, T] forward logsumexp, strides stride_l*
     DELTA,  # float32, LSE's shape and strides: rowsum(P * dP), from the dQ kernel
     DS_REST,  # float32, LSE's shape and strides: the row's dS summed over all but its dominant key, from the dQ kernel
+    DOMINANT,  # int32, LSE's shape and strides: the row's dominant key (-1 for none), from the dQ kernel
     KEY_MASK,  # uint8 [B, S], nonzero = keep the key (read only when HAS_MASK), strides stride_m*
     CU_SEQLENS,  # int32 [B + 1] token offsets of the sequences (read only when IS_VARLEN)
     SEED,  # int64 [1] dropout seed (read only when DROPOUT)
@@ -153,7 +154,7 @@ def _attention_bwd_dkdv_kernel(
     stride_gb, stride_gh, stride_gs, stride_gd,  # DO strides, as Q's
     stride_dkb, stride_dkh, stride_dks, stride_dkd,  # DK strides, as Q's
     stride_dvb, stride_dvh, stride_dvs, stride_dvd,  # DV strides, as Q's
-    stride_lb, stride_lh, stride_ls,  # LSE and DELTA strides: sequence (0 for varlen), head, row
+    stride_lb, stride_lh, stride_ls,  # LSE, DELTA, DS_REST, DOMINANT strides: sequence (0 for varlen), head, row
     stride_mb, stride_ms,  # KEY_MASK strides: sequence, key
     num_heads,  # heads
     max_len,  # S for padded batches, max_seqlen for varlen
@@ -188,6 +189,7 @@ def _attention_bwd_dkdv_kernel(
     LSE += b * stride_lb + h * stride_lh + start * stride_ls
     DELTA += b * stride_lb + h * stride_lh + start * stride_ls
     DS_REST += b * stride_lb + h * stride_lh + start * stride_ls
+    DOMINANT += b * stride_lb + h * stride_lh + start * stride_ls
     if DROPOUT:
         seed = tl.load(SEED)
 
@@ -202,6 +204,7 @@ def _attention_bwd_dkdv_kernel(
         lse = tl.load(LSE + rows * stride_ls, mask=row_ok, other=float("inf")) * 1.4426950408889634
         delta = tl.load(DELTA + rows * stride_ls, mask=row_ok, other=0.0)
         ds_rest = tl.load(DS_REST + rows * stride_ls, mask=row_ok, other=0.0)
+        dom = tl.load(DOMINANT + rows * stride_ls, mask=row_ok, other=-1)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         p = tl.exp2(tl.where(key_ok[None, :], s, float("-inf")) - lse[:, None])  # 0 for masked keys, empty rows
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # dL/d(dropped probabilities)
@@ -212,7 +215,7 @@ def _attention_bwd_dkdv_kernel(
         else:
             dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
-        ds = tl.where(p > 0.5, -ds_rest[:, None], ds)  # a row's dS sums to zero: see the dQ kernel
+        ds = tl.where(cols[None, :] == dom[:, None], -ds_rest[:, None], ds)  # a row's dS sums to zero: see the dQ kernel
         dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=PRECISION)
 
     DK += b * stride_dkb + h * stride_dkh + start * stride_dks
@@ -250,6 +253,7 @@ def _attention_bwd_dq_kernel(
     LSE,  # float32 [B, heads, S] | [heads, T] forward logsumexp, strides stride_l*
     DELTA,  # float32, LSE's shape and strides: rowsum(P * dP) (written)
     DS_REST,  # float32, LSE's shape and strides: the row's dS summed over all but its dominant key (written)
+    DOMINANT,  # int32, LSE's shape and strides: the row's dominant key, -1 for none (written)
     KEY_MASK,  # uint8 [B, S], nonzero = keep the key (read only when HAS_MASK), strides stride_m*
     CU_SEQLENS,  # int32 [B + 1] token offsets of the sequences (read only when IS_VARLEN)
     SEED,  # int64 [1] dropout seed (read only when DROPOUT)
@@ -258,7 +262,7 @@ def _attention_bwd_dq_kernel(
     stride_vb, stride_vh, stride_vs, stride_vd,  # V strides, as Q's
     stride_gb, stride_gh, stride_gs, stride_gd,  # DO strides, as Q's
     stride_dqb, stride_dqh, stride_dqs, stride_dqd,  # DQ strides, as Q's
-    stride_lb, stride_lh, stride_ls,  # LSE and DELTA strides: sequence (0 for varlen), head, row
+    stride_lb, stride_lh, stride_ls,  # LSE, DELTA, DS_REST, DOMINANT strides: sequence (0 for varlen), head, row
     stride_mb, stride_ms,  # KEY_MASK strides: sequence, key
     num_heads,  # heads
     max_len,  # S for padded batches, max_seqlen for varlen
@@ -294,16 +298,22 @@ def _attention_bwd_dq_kernel(
     # (launched after this one). Not rowsum(dO * O): O's rounding does not cancel against dP's, and
     # where softmax is nearly one-hot dP - delta is almost nothing, so q and k lost their precision.
     delta = tl.zeros((BLOCK_M,), tl.float32)
-    for n0 in range(0, length, BLOCK_N):
+    dom = tl.full((BLOCK_M,), -1, tl.int32)  # the row's dominant key (P > 1/2), -1 for none; one key even
+    for n0 in range(0, length, BLOCK_N):     # where rounding puts two tied keys just above 1/2
         k, p, dp = _probs_and_grads(q, do, lse, K, V, KEY_MASK, SEED, b, h, rows, n0, length, dims, dim_ok,
                                     stride_ks, stride_kd, stride_vs, stride_vd, stride_mb, stride_ms, num_heads,
                                     max_len, qk_scale, dropout_p, keep_scale, HAS_MASK, DROPOUT, BLOCK_N, PRECISION)
         delta += tl.sum(p * dp, 1)
+        cols = (n0 + tl.arange(0, BLOCK_N)).to(tl.int32)
+        dom = tl.maximum(dom, tl.max(tl.where(p > 0.5, cols[None, :], -1), 1))
     tl.store(DELTA + lse_at, delta, mask=row_ok)
+    tl.store(DOMINANT + lse_at, dom, mask=row_ok)
 
     # A row's dS sums to zero (sum P = 1). Where one key holds P > 1/2 its own dP - delta cancels to a few
     # ulps of delta, so its dS is taken as minus the others' sum: dq = sum_j dS_j k_j - (sum_j dS_j) k_dom,
-    # k_dom gathered by a 0/1 row (zero where no key dominates), and the others' sum goes to the dK kernel.
+    # k_dom gathered by a 0/1 row (zero where no key dominates); the others' sum and the dominant key's
+    # index go to the dK kernel, which so corrects the very key this kernel chose (the identity holds for
+    # any one key; it only helps where that key's P is large).
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     k_dom = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     ds_total = tl.zeros((BLOCK_M,), tl.float32)
@@ -313,7 +323,7 @@ def _attention_bwd_dq_kernel(
                                     stride_ks, stride_kd, stride_vs, stride_vd, stride_mb, stride_ms, num_heads,
                                     max_len, qk_scale, dropout_p, keep_scale, HAS_MASK, DROPOUT, BLOCK_N, PRECISION)
         ds = (p * (dp - delta[:, None])).to(k.dtype)
-        dominant = p > 0.5
+        dominant = (n0 + tl.arange(0, BLOCK_N))[None, :] == dom[:, None]
         dq = tl.dot(ds, k, dq, input_precision=PRECISION)
         k_dom = tl.dot(dominant.to(k.dtype), k, k_dom, input_precision=PRECISION)
         ds_total += tl.sum(ds.to(tl.float32), 1)
@@ -390,6 +400,7 @@ def backward(grad, q, k, v, out, lse, key_mask, cu_seqlens, max_seqlen, scale, d
     block_m, block_n, block_d, warps = _config(q)
     delta = torch.empty_like(lse)  # LSE's strides: the kernels share them; the dQ kernel writes both
     ds_rest = torch.empty_like(lse)
+    dominant = torch.empty_like(lse, dtype=torch.int32)
     cu = cu_seqlens if cu_seqlens is not None else lse
     mask, stride_mb, stride_ms = _mask_args(key_mask, lse)
     common = dict(HAS_MASK=key_mask is not None, IS_VARLEN=cu_seqlens is not None, DROPOUT=dropout_p > 0,
@@ -398,12 +409,12 @@ def backward(grad, q, k, v, out, lse, key_mask, cu_seqlens, max_seqlen, scale, d
     seed = seed if seed is not None else lse
     with on_device_of(q):
         _attention_bwd_dq_kernel[(triton.cdiv(max_len, block_m), heads, sequences)](
-            q, k, v, grad, dq, lse, delta, ds_rest, mask, cu, seed,
+            q, k, v, grad, dq, lse, delta, ds_rest, dominant, mask, cu, seed,
             *_strides(q), *_strides(k), *_strides(v), *_strides(grad), *_strides(dq),
             *_row_strides(lse), stride_mb, stride_ms, *scalars, **common,
         )
         _attention_bwd_dkdv_kernel[(triton.cdiv(max_len, block_n), heads, sequences)](
-            q, k, v, grad, dk, dv, lse, delta, ds_rest, mask, cu, seed,
+            q, k, v, grad, dk, dv, lse, delta, ds_rest, dominant, mask, cu, seed,
             *_strides(q), *_strides(k), *_strides(v), *_strides(grad), *_strides(dk), *_strides(dv),
             *_row_strides(lse), stride_mb, stride_ms, *scalars, **common,
         )

@@ -87,3 +87,24 @@ def test_the_cpu_backend_packs_into_the_owners_prepared_weights(op):
         assert_close(out, ref, torch.float32, "matmul", name=op)
     with pytest.raises(ValueError, match="prepared must be a fastbert.ops.PreparedWeights"):
         ops.dense(x, w, b, prepared={})
+
+
+def test_moves_drop_prepared_weights_and_data_writes_have_a_way_to():
+    import fastbert
+
+    model = fastbert.BertModel(fastbert.BertConfig.tiny(vocab_size=50)).eval()
+    ids = torch.randint(0, 50, (2, 5))
+    prepared = model.encoder.layer[0].attention.self.prepared
+    with torch.no_grad():
+        model(ids)
+        assert len(prepared) > 0
+        model.to(torch.float32)  # a move, even to the same dtype, drops what was prepared (and its storage)
+        assert len(prepared) == 0
+        before = model(ids).last_hidden_state
+        model.encoder.layer[0].attention.self.query.weight.data.mul_(2)  # no version bump: unseen by a stamp
+        model.clear_prepared_weights()
+        after = model(ids).last_hidden_state
+        fresh = fastbert.BertModel(model.config).eval()
+        fresh.load_state_dict(model.state_dict())
+        assert not torch.equal(before, after)
+        assert_close(after, fresh(ids).last_hidden_state, torch.float32, "elementwise", name="after clear")

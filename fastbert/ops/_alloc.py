@@ -7,25 +7,28 @@ import threading
 
 import torch
 
-_poison = threading.local()
+# Process-wide, not per thread: autograd runs CUDA backward kernels on its own worker threads.
+_poisoning = [0]
+_lock = threading.Lock()
 
 
 @contextlib.contextmanager
 def poison_outputs():
     """Inside the block, kernel outputs start NaN-filled, so an element a kernel forgets fails."""
-    previous = getattr(_poison, "on", False)
-    _poison.on = True
+    with _lock:
+        _poisoning[0] += 1
     try:
         yield
     finally:
-        _poison.on = previous
+        with _lock:
+            _poisoning[0] -= 1
 
 
 def empty(*shape, dtype: torch.dtype, device) -> torch.Tensor:
     if len(shape) == 1 and isinstance(shape[0], (tuple, list)) and shape[0]:
         shape = shape[0]  # torch.empty(*sizes) parses ~1 us faster than torch.empty(torch.Size)
     out = torch.empty(*shape, dtype=dtype, device=device)
-    if getattr(_poison, "on", False) and out.is_floating_point():
+    if _poisoning[0] and out.is_floating_point():
         out.fill_(float("nan"))
     return out
 

@@ -3,7 +3,8 @@
 On some CPUs oneDNN's packed GEMM beats torch's default (MKL) F.linear, and it applies bias and GELU
 inside the GEMM's epilogue. A packed weight is a copy in oneDNN's blocked layout: whoever packs it
 owns it (fastbert.ops.prepared.PreparedWeights on the module), never a cache keyed by a tensor's
-identity. oneDNN has no autograd: the cpu dense / qkv ops register their own backward.
+identity. oneDNN has no autograd: dense's onednn kernel pair has its own backward (qkv_projection's cpu
+path runs on that pair).
 """
 from __future__ import annotations
 

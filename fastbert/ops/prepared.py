@@ -4,16 +4,19 @@ weight, oneDNN's blocked layout), owned by the module whose parameters they come
 Nothing here is keyed by `id()` or an address: an entry keeps an alias of each tensor it was made
 from, so that storage stays alive and no other tensor can take its place at the same address, and is
 served only while every source still has that storage, strides and version (an optimizer step,
-`load_state_dict` and any in-place write bump the version; `.to()`, `.data =` and `assign=True` replace
-the storage). A deepcopy or a pickle of the owner starts empty, and `state_dict` never sees it.
-Under torch.compile nothing is kept: the graph makes the form from the real parameters on every call.
+`load_state_dict` and in-place writes bump the version; `.to()`, `.data =` and `assign=True` replace
+the storage). Writes through `.data` (`p.data.copy_(...)`) bypass the version counter: whoever writes
+so calls `clear()` (fastbert models: `model.clear_prepared_weights()`). A deepcopy or a pickle of the
+owner starts empty, and `state_dict` never sees it. Under torch.compile and torch.func transforms nothing
+is kept: the form is made from the real parameters on every call.
 """
 from __future__ import annotations
 
-import threading
 from typing import Callable
 
 import torch
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _same(alias: torch.Tensor, version: int, tensor: torch.Tensor) -> bool:
@@ -26,26 +29,25 @@ class PreparedWeights:
 
     def __init__(self):
         self._entries: dict[str, tuple[tuple, object]] = {}
-        self._lock = threading.Lock()
 
     def get(self, name: str, sources: tuple[torch.Tensor, ...], make: Callable):
         """`make(*sources)`, remembered under `name` while the sources are unchanged."""
-        if torch.compiler.is_compiling() or any(s.is_inference() for s in sources):
+        if (torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is not None
+                or any(type(s) not in _PLAIN or s.is_inference() for s in sources)):
             return make(*sources)  # inference tensors carry no version: nothing could tell a change
         hit = self._entries.get(name)
         if hit is not None and all(_same(a, v, s) for (a, v), s in zip(hit[0], sources)) and len(hit[0]) == len(sources):
             return hit[1]
-        # Made outside inference mode so the value is an ordinary tensor (with a version) in any mode.
+        # Made outside inference mode so the value is an ordinary tensor (with a version) in any mode. The
+        # stamp is taken first: a source written while `make` runs leaves an entry that never matches.
         with torch.inference_mode(False), torch.no_grad():
-            value = make(*sources)
             stamp = tuple((s.detach(), s._version) for s in sources)
-        with self._lock:
-            self._entries[name] = (stamp, value)
+            value = make(*sources)
+        self._entries[name] = (stamp, value)  # one dict store: atomic under the GIL
         return value
 
     def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
+        self._entries.clear()
 
     def __len__(self) -> int:
         return len(self._entries)
