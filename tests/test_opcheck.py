@@ -18,6 +18,7 @@ def cpu_cases():
     yield "bias_gelu_cxx_backward", (_rand(3, 16, grad=False), _rand(3, 16, grad=False), _rand(16, grad=False), "tanh")
     yield "dense_onednn", (_rand(4, 8), _rand(6, 8), _rand(6), "none")
     yield "dense_onednn", (_rand(2, 3, 8), _rand(6, 8), None, "gelu")
+    yield "qkv_projection_onednn", (_rand(2, 3, 8), _rand(24, 8), _rand(24), "none")
     yield "add_layer_norm_cxx", (_rand(4, 24), _rand(4, 24), _rand(24), _rand(24), 1e-5, 0.0, None)
     yield "add_layer_norm_cxx", (_rand(4, 24), _rand(4, 24), _rand(24), _rand(24), 1e-5, 0.25, torch.tensor([3]))
     yield "attention_cxx", (_rand(2, 3, 5, 16), _rand(2, 3, 5, 16), _rand(2, 3, 5, 16), mask, None, 5, 0.25, 0.0, None)

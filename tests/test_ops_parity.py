@@ -129,6 +129,7 @@ def test_parity(spec, case, backend, dtype):
     # Backward runs on the forward's backend (a composite kernel may record its parts' backwards).
     backwards = [c for c in calls if c[0].endswith(".backward")]
     assert backwards and {c[1] for c in backwards} == {backend}, f"backward calls: {backwards}"
+    assert spec.op + ".backward" in {c[0] for c in backwards}, f"{spec.op}'s backward not recorded: {backwards}"
 
     truth_args = upcast(*args)
     truth_kwargs = {k: v for k, v in kwargs.items()}

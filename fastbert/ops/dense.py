@@ -1,6 +1,8 @@
 """dense: x @ weight.T + bias, with an optional GELU fused into the epilogue."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from fastbert import dispatch
@@ -96,6 +98,11 @@ def _onednn_backward(grad, x, weight, bias, activation):
 ONEDNN = SPEC.kernels("onednn", _onednn_forward, _onednn_backward, "cpu")
 
 
+def onednn_pair_for(op: str):
+    """dense's onednn kernels as another op's pair (fastbert::<op>_onednn), so its backward records `op`."""
+    return dataclasses.replace(SPEC, name=op).kernels("onednn", _onednn_forward, _onednn_backward, "cpu")
+
+
 @dispatch.register("dense", "cpu", dispatch.Support(("cpu",), (torch.float32, torch.bfloat16)),
                    extra_reasons=lambda facts: _onednn.missing())
 def _cpu(x, weight, bias, activation, prepared):
@@ -105,11 +112,12 @@ def _cpu(x, weight, bias, activation, prepared):
     return onednn_linear(x, weight, bias, activation, prepared)
 
 
-def onednn_linear(x, weight, bias, activation, prepared: PreparedWeights | None):
-    """The oneDNN linear; in eager calls with no autograd on the copy of `weight` that `prepared` (its
-    owner's) keeps in oneDNN's blocked layout."""
-    if prepared is None or entry(ONEDNN.forward, x, weight, bias) is not ONEDNN.forward.direct:
-        return ONEDNN(x, weight, bias, activation)
+def onednn_linear(x, weight, bias, activation, prepared: PreparedWeights | None, pair=ONEDNN):
+    """The oneDNN linear (through `pair`, dense's onednn kernel pair or one built on its kernels); in eager
+    calls with no autograd on the copy of `weight` that `prepared` (its owner's) keeps in oneDNN's
+    blocked layout."""
+    if prepared is None or entry(pair.forward, x, weight, bias) is not pair.forward.direct:
+        return pair(x, weight, bias, activation)
     x2d = x.reshape(-1, x.shape[-1]).contiguous()
     blocked = prepared.get("onednn", (weight,), lambda w: _onednn.pack(w, x2d.shape[0]))
     return _onednn.linear(x2d, blocked, bias, activation).view(*x.shape[:-1], weight.shape[0])

@@ -5,7 +5,7 @@ import torch
 
 from fastbert import dispatch
 from fastbert.ops import _alloc, _checks, _onednn, reference
-from fastbert.ops.dense import onednn_linear, triton_linear_backward
+from fastbert.ops.dense import onednn_linear, onednn_pair_for, triton_linear_backward
 from fastbert.ops._op import OpSpec
 from fastbert.ops.prepared import PreparedWeights
 
@@ -35,13 +35,15 @@ def _reference(x, weight, bias, num_heads, prepared):
     return reference.qkv_projection(x, weight, bias, num_heads)
 
 
-# ---------------------------------------------------- cpu: dense's oneDNN pair, q/k/v as views of its output
+# -------------------------------------------- cpu: dense's oneDNN kernels, q/k/v as views of their output
+
+ONEDNN = onednn_pair_for("qkv_projection")
 
 
 @dispatch.register("qkv_projection", "cpu", dispatch.Support(("cpu",), (torch.float32, torch.bfloat16)),
                    extra_reasons=lambda facts: _onednn.missing())
 def _cpu(x, weight, bias, num_heads, prepared):
-    qkv = onednn_linear(x, weight, bias, "none", prepared)  # [..., 3H], one GEMM
+    qkv = onednn_linear(x, weight, bias, "none", prepared, ONEDNN)  # [..., 3H], one GEMM
     head_dim = x.shape[-1] // num_heads
     if x.dim() == 3:
         b, s, _ = x.shape
