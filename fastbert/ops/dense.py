@@ -48,8 +48,14 @@ def _reference(x, weight, bias, epilogue, prepared):
     return reference.dense(x, weight, bias, activation, approximate)
 
 
-def _grad_bias_shape(weight, bias):
-    return (weight.shape[0],) if bias is not None else (0,)
+def linear_backward_fake(x, weight, bias):
+    """Gradients of x, weight and bias (shape [0] without a bias) of a linear layer, as fakes."""
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape[0] if bias is not None else 0)
+
+
+def linear_input_grads(inputs, grads):
+    """(x, weight, bias, flag) inputs of a linear layer's kernel pair: the bias's gradient only where given."""
+    return grads[0], grads[1], None if inputs[2] is None else grads[2], None
 
 
 # epilogue(x @ weight.T + bias) for x [..., K], weight [N, K], epilogue "none" | "gelu" | "gelu_tanh" (the
@@ -59,10 +65,9 @@ SPEC = OpSpec(
     forward_schema="(Tensor x, Tensor weight, Tensor? bias, str activation) -> Tensor",
     backward_schema="(Tensor grad, Tensor x, Tensor weight, Tensor? bias, str activation) -> (Tensor, Tensor, Tensor)",
     forward_fake=lambda x, weight, bias, activation: x.new_empty(*x.shape[:-1], weight.shape[0]),
-    backward_fake=lambda grad, x, weight, bias, activation: (
-        x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(_grad_bias_shape(weight, bias))),
+    backward_fake=lambda grad, x, weight, bias, activation: linear_backward_fake(x, weight, bias),
     saved=lambda inputs, outputs: inputs,  # the backward recomputes the pre-activation where there is a GELU
-    input_grads=lambda inputs, grads: (grads[0], grads[1], None if inputs[2] is None else grads[2], None),
+    input_grads=linear_input_grads,
 )
 
 

@@ -5,7 +5,8 @@ import torch
 
 from fastbert import dispatch
 from fastbert.ops import _alloc, _checks, _onednn, reference
-from fastbert.ops.dense import onednn_linear, onednn_pair_for, triton_linear_backward
+from fastbert.ops.dense import (linear_backward_fake, linear_input_grads, onednn_linear, onednn_pair_for,
+                                 triton_linear_backward)
 from fastbert.ops._op import OpSpec
 from fastbert.ops.prepared import PreparedWeights
 
@@ -66,10 +67,9 @@ SPEC = OpSpec(
     forward_schema="(Tensor x, Tensor weight, Tensor? bias, int num_heads) -> Tensor",
     backward_schema="(Tensor grad, Tensor x, Tensor weight, Tensor? bias, int num_heads) -> (Tensor, Tensor, Tensor)",
     forward_fake=lambda x, weight, bias, num_heads: x.new_empty(_head_major_shape(x, num_heads)),
-    backward_fake=lambda grad, x, weight, bias, num_heads: (
-        x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape[0] if bias is not None else 0)),
+    backward_fake=lambda grad, x, weight, bias, num_heads: linear_backward_fake(x, weight, bias),
     saved=lambda inputs, outputs: inputs,
-    input_grads=lambda inputs, grads: (grads[0], grads[1], None if inputs[2] is None else grads[2], None),
+    input_grads=linear_input_grads,
 )
 
 
