@@ -25,6 +25,11 @@ TORCH_LIBRARY(fastbert_C, m) {
   m.def("attention_bwd(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? key_mask, "
         "Tensor? cu_seqlens, float scale, float dropout_p, int seed, Tensor(a!) dq, Tensor(b!) dk, "
         "Tensor(c!) dv) -> ()");
+  // int8 GEMM companions (CPU): x [rows, k] -> u8 q, float32 scale [rows], int32 zero_point [rows]; and
+  // out = act(scale * (acc - zero_point * wsum) + bias), activation 0 none, 1 gelu, 2 gelu_tanh.
+  m.def("quantize_rows(Tensor x, Tensor(a!) q, Tensor(b!) scale, Tensor(c!) zero_point) -> ()");
+  m.def("dequantize_rows(Tensor acc, Tensor scale, Tensor zero_point, Tensor wsum, Tensor? bias, int activation, "
+        "Tensor(a!) out) -> ()");
   m.def("dropout_keep(int seed, float dropout_p, int sequences, int heads, int rows, int cols) -> Tensor");
 }
 

@@ -7,9 +7,10 @@ from fastbert.heads import (BertForMaskedLM, BertForPreTraining, BertForQuestion
 from fastbert.integrations.transformers import optimize, register_attention
 from fastbert.memory import keep_freed_memory
 from fastbert.model import BertModel, BertModelOutput, BertPreTrainedModel
+from fastbert.quantization import quantize
 
 __version__ = "0.1.0"
 __all__ = ["BertConfig", "BertModel", "BertModelOutput", "BertPreTrainedModel", "BertForMaskedLM",
            "BertForPreTraining", "BertForSequenceClassification", "BertForTokenClassification",
-           "BertForQuestionAnswering", "BackendUnavailable", "dispatch", "keep_freed_memory", "ops", "optimize",
+           "BertForQuestionAnswering", "BackendUnavailable", "dispatch", "keep_freed_memory", "ops", "optimize", "quantize",
            "register_attention", "use_backend"]

@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from fastbert import quantization
 from fastbert.config import BertConfig
 
 logger = logging.getLogger("fastbert")
@@ -85,6 +86,9 @@ def from_pretrained(cls, directory, dtype: torch.dtype | None = None, **kwargs):
         raise FileNotFoundError(f"{directory} is not a directory (fastbert loads local HF directories)")
     config = BertConfig.from_pretrained(directory)
     model = cls(config, **kwargs)
+    quantized = config.extra.get("fastbert_quantization")
+    if quantized:  # saved by a quantized model: its int8 weights and scales load as they were saved
+        quantization.quantize(model, quantized["mode"])
     state = read_state_dict(directory)
     mapped, ignored = map_state_dict(model, state)
     expected = model.state_dict()

@@ -25,7 +25,7 @@ from fastbert.records import Call, note, record  # noqa: F401  (fastbert.dispatc
 logger = logging.getLogger("fastbert")
 
 BACKENDS = ("cuda", "triton", "cpu", "reference")  # default priority, best first
-OPS = ("qkv_projection", "attention", "varlen_attention", "bias_gelu", "dense", "add_layer_norm")
+OPS = ("qkv_projection", "attention", "varlen_attention", "bias_gelu", "dense", "add_layer_norm", "quantized_dense")
 
 
 class BackendUnavailable(RuntimeError):

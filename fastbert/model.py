@@ -12,7 +12,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as recompute_in_backward
 
 from fastbert import checkpoint, dispatch, ops, padding  # checkpoint: HF directories (fastbert/checkpoint.py)
+from fastbert import quantization
 from fastbert.config import BertConfig
+from fastbert.ops.qkv_projection import head_major
+from fastbert.quantization import Int8Linear
 
 
 class ModelOutput:
@@ -67,6 +70,13 @@ class BertEmbeddings(nn.Module):
         return self.dropout(x)
 
 
+def linear(module, x, activation="none", approximate="none", prepared=None):
+    """`module` (an nn.Linear, or an Int8Linear after fastbert.quantize) applied to x, the activation fused."""
+    if isinstance(module, Int8Linear):
+        return module(x, activation, approximate)
+    return ops.dense(x, module.weight, module.bias, activation, approximate, prepared)
+
+
 class BertSelfAttention(nn.Module):
     def __init__(self, config: BertConfig):
         super().__init__()
@@ -85,15 +95,25 @@ class BertSelfAttention(nn.Module):
             return torch.cat(params[:3]), torch.cat(params[3:])
         return self.prepared.get("qkv", params, lambda *p: (torch.cat(p[:3]), torch.cat(p[3:])))
 
-    def forward(self, x, attention_mask=None, need_weights=False, packing=None):
+    def project(self, x):
+        """q, k, v head-major from one GEMM: 3 x [B, heads, S, d] (or [T, heads, d] for x [T, H])."""
+        if isinstance(self.query, Int8Linear):
+            linears = (self.query, self.key, self.value)
+            sources = tuple(t for m in linears for t in (m.weight, m.weight_scale, m.bias) if t is not None)
+            weight, scale, bias = self.prepared.get("qkv_int8", sources, lambda *_: quantization.stack(linears))
+            qkv = ops.quantized_dense(x, weight, scale, bias, prepared=self.prepared)
+            return head_major(qkv, self.num_attention_heads)
         weight, bias = self.fused_qkv()  # [3H, H], [3H]
+        return ops.qkv_projection(x, weight, bias, self.num_attention_heads, self.prepared)
+
+    def forward(self, x, attention_mask=None, need_weights=False, packing=None):
         p = self.dropout_p if self.training else 0.0
         if packing is not None:  # x [T, H], packed tokens
-            q, k, v = ops.qkv_projection(x, weight, bias, self.num_attention_heads, self.prepared)  # 3 x [T, heads, d]
+            q, k, v = self.project(x)  # 3 x [T, heads, d]
             context = ops.varlen_attention(q, k, v, packing.cu_seqlens, packing.max_seqlen, dropout_p=p)
             return context.reshape(x.shape), None  # [T, H]
         b, s, h = x.shape
-        q, k, v = ops.qkv_projection(x, weight, bias, self.num_attention_heads, self.prepared)  # 3 x [B, heads, S, d]
+        q, k, v = self.project(x)  # 3 x [B, heads, S, d]
         out = ops.attention(q, k, v, attention_mask, dropout_p=p, need_weights=need_weights)
         context, probs = out if need_weights else (out, None)
         return context.transpose(1, 2).reshape(b, s, h), probs  # [B, S, H], [B, heads, S, S] or None
@@ -108,7 +128,7 @@ class BertSelfOutput(nn.Module):
         self.prepared = ops.PreparedWeights()
 
     def forward(self, hidden, residual):
-        y = ops.dense(hidden, self.dense.weight, self.dense.bias, prepared=self.prepared)
+        y = linear(self.dense, hidden, prepared=self.prepared)
         p = self.dropout_p if self.training else 0.0
         return ops.add_layer_norm(y, residual, self.LayerNorm.weight, self.LayerNorm.bias, self.LayerNorm.eps, p)
 
@@ -132,7 +152,7 @@ class BertIntermediate(nn.Module):
         self.prepared = ops.PreparedWeights()
 
     def forward(self, x):
-        return ops.dense(x, self.dense.weight, self.dense.bias, "gelu", self.approximate, self.prepared)  # [B, S, I]
+        return linear(self.dense, x, "gelu", self.approximate, self.prepared)  # [B, S, I]
 
 
 class BertOutput(BertSelfOutput):

@@ -5,5 +5,7 @@ from fastbert.ops.bias_gelu import bias_gelu
 from fastbert.ops.dense import dense
 from fastbert.ops.prepared import PreparedWeights
 from fastbert.ops.qkv_projection import qkv_projection
+from fastbert.ops.quantized_dense import quantized_dense
 
-__all__ = ["add_layer_norm", "attention", "varlen_attention", "bias_gelu", "dense", "qkv_projection", "PreparedWeights"]
+__all__ = ["add_layer_norm", "attention", "varlen_attention", "bias_gelu", "dense", "qkv_projection", "quantized_dense",
+           "PreparedWeights"]

@@ -13,13 +13,14 @@ import torch
 POST_OPS = {"none": ("none", [None], ""), "gelu": ("gelu", [None], "none"), "gelu_tanh": ("gelu", [None], "tanh")}
 
 
-def missing() -> list[str]:
-    """Why oneDNN's linear cannot be used from this torch build; empty when it can."""
+def missing(namespace: str = "mkldnn", names=("_linear_pointwise", "_reorder_linear_weight")) -> list[str]:
+    """Why oneDNN's ops torch.ops.<namespace>.<names> (default: the float linear's) cannot be used from
+    this torch build; empty when they can."""
     if not torch.backends.mkldnn.is_available():
         return ["this torch build has no oneDNN (torch.backends.mkldnn.is_available() is False)"]
-    for name in ("_linear_pointwise", "_reorder_linear_weight"):
-        if not hasattr(torch.ops.mkldnn, name):
-            return [f"this torch build lacks torch.ops.mkldnn.{name}"]
+    for name in names:
+        if not hasattr(getattr(torch.ops, namespace), name):
+            return [f"this torch build lacks torch.ops.{namespace}.{name}"]
     return []
 
 

@@ -21,6 +21,17 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     _checks.tensor("x", x, (1, 2, 3, 4))
     _checks.tensor("weight", weight, (2,))
     _checks.same_dtype_device(x=x, weight=weight, bias=bias)
+    epilogue = linear_checks(x, weight, bias, activation, approximate, prepared)
+    return dispatch.call("dense", {"tensors": (x, weight, bias)}, x, weight, bias, epilogue, prepared)
+
+
+# The kernels' one code for what follows the GEMM.
+EPILOGUES = {("none", "none"): "none", ("gelu", "none"): "gelu", ("gelu", "tanh"): "gelu_tanh"}
+
+
+def linear_checks(x, weight, bias, activation, approximate, prepared) -> str:
+    """The checks every linear op shares (dense, quantized_dense) past its tensors' own; returns the
+    epilogue's code."""
     if weight.shape[1] != x.shape[-1]:
         raise ValueError(f"weight must have shape [N, {x.shape[-1]}] (x's last dimension), got {tuple(weight.shape)}")
     if bias is not None:
@@ -34,12 +45,7 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
         raise ValueError(f"approximate={approximate!r} is GELU's form: it needs activation='gelu'")
     if prepared is not None and not isinstance(prepared, PreparedWeights):
         raise ValueError(f"prepared must be a fastbert.ops.PreparedWeights or None, got {type(prepared).__name__}")
-    epilogue = EPILOGUES[activation, approximate]
-    return dispatch.call("dense", {"tensors": (x, weight, bias)}, x, weight, bias, epilogue, prepared)
-
-
-# The kernels' one code for what follows the GEMM.
-EPILOGUES = {("none", "none"): "none", ("gelu", "none"): "gelu", ("gelu", "tanh"): "gelu_tanh"}
+    return EPILOGUES[activation, approximate]
 
 
 @dispatch.register("dense", "reference", dispatch.Support(("cpu", "cuda"), dispatch.FLOATS))

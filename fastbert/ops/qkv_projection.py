@@ -44,13 +44,17 @@ ONEDNN = onednn_pair_for("qkv_projection")
 @dispatch.register("qkv_projection", "cpu", dispatch.Support(("cpu",), (torch.float32, torch.bfloat16)),
                    extra_reasons=lambda facts: _onednn.missing())
 def _cpu(x, weight, bias, num_heads, prepared):
-    qkv = onednn_linear(x, weight, bias, "none", prepared, ONEDNN)  # [..., 3H], one GEMM
-    head_dim = x.shape[-1] // num_heads
-    if x.dim() == 3:
-        b, s, _ = x.shape
-        # [B, S, 3, heads, d] -> 3 x [B, heads, S, d]: strided views; attention kernels read them in place.
+    return head_major(onednn_linear(x, weight, bias, "none", prepared, ONEDNN), num_heads)  # one GEMM
+
+
+def head_major(qkv: torch.Tensor, num_heads: int):
+    """A GEMM's [B, S, 3H] (or [T, 3H]) output as q, k, v: 3 x [B, heads, S, d] (or [T, heads, d]), strided
+    views that the attention kernels read in place."""
+    head_dim = qkv.shape[-1] // 3 // num_heads
+    if qkv.dim() == 3:
+        b, s, _ = qkv.shape
         return qkv.view(b, s, 3, num_heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-    return qkv.view(-1, 3, num_heads, head_dim).unbind(1)  # 3 x [T, heads, d]
+    return qkv.view(-1, 3, num_heads, head_dim).unbind(1)
 
 
 # ------------------------------------------------------------------------ triton (GEMM + epilogue)

@@ -31,6 +31,41 @@ def dense(x, weight, bias=None, activation="none", approximate="none"):
     return gelu(y, approximate) if activation == "gelu" else y
 
 
+def quantize_weight(weight):
+    """Symmetric per-output-channel int8: weight [N, K] -> (int8 values, float32 scale [N]); values in
+    [-127, 127] so that -w quantizes to -q. An all-zero row gets scale 1."""
+    w = weight.detach().float()
+    scale = w.abs().amax(1) / 127
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def quantize_rows(x):
+    """Per-row asymmetric uint8: x [M, K] -> (q uint8, scale float32 [M], zero_point int32 [M]), with the
+    range widened to include 0. The arithmetic is float32 whatever x's dtype: the quantization is defined
+    by these steps, and the C++ kernel takes the same ones, so both produce the same bytes."""
+    x = x.float()
+    lo, hi = x.amin(1).clamp(max=0), x.amax(1).clamp(min=0)
+    scale = (hi - lo) / 255
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    inv = 1 / scale
+    zero_point = torch.round(-lo * inv).clamp(0, 255)
+    q = (torch.round(x * inv[:, None]) + zero_point[:, None]).clamp(0, 255)
+    return q.to(torch.uint8), scale, zero_point.to(torch.int32)
+
+
+def quantized_dense(x, weight, weight_scale, bias=None, activation="none", approximate="none"):
+    """dense with int8 weights ([N, K] values and float32 scale [N]) and x quantized per row by
+    quantize_rows; the products summed in x's dtype (float64 for the truth), the result in x's dtype."""
+    shape = x.shape
+    q, scale, zero_point = quantize_rows(x.reshape(-1, shape[-1]))
+    dt = x.dtype
+    x_hat = (q.to(dt) - zero_point.to(dt)[:, None]) * scale.to(dt)[:, None]
+    y = dense(x_hat, weight.to(dt) * weight_scale.to(dt)[:, None], None if bias is None else bias.to(dt),
+              activation, approximate)
+    return y.reshape(*shape[:-1], weight.shape[0])
+
+
 def qkv_projection(x, weight, bias, num_heads):
     qkv = dense(x, weight, bias)  # [..., 3 * hidden]
     head_dim = weight.shape[0] // 3 // num_heads

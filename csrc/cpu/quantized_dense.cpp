@@ -1,0 +1,146 @@
+// quantized_dense on CPU: the kernels around oneDNN's u8 x s8 GEMM (fastbert/ops/quantized_dense.py).
+// Activations are quantized per row (per token), asymmetric u8 with a zero point per row: BERT's rows
+// differ in range by 10x and more, which one scale per tensor cannot follow. oneDNN takes one activation
+// scale per tensor, so the GEMM runs with scale 1 and zero point 0 and the epilogue here applies each
+// row's scale and zero-point correction, then the bias and GELU.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "gelu.h"
+#include "vec.h"
+
+namespace fastbert {
+namespace {
+
+inline float reduce_min(const VecF& v) {
+  return at::vec::vec_reduce_all<float>([](const VecF& a, const VecF& b) { return at::vec::minimum(a, b); }, v);
+}
+
+// One row: lo = min(0, x), hi = max(0, x), scale = (hi - lo) / 255, zero point = round(-lo / scale),
+// q = clamp(round(x / scale) + zero point, 0, 255), in exactly this float arithmetic (reference.py's
+// quantize_rows does the same steps, so both produce the same bytes). A NaN in the row makes its scale NaN.
+template <typename T>
+void quantize_row(const T* x, int64_t k, uint8_t* q, float* scale, int32_t* zero_point) {
+  VecF lo(0.f), hi(0.f);
+  for_blocks(k, [&](int64_t j, int64_t m) {
+    VecF a, b;
+    load2(x + j, m, a, b);  // lanes past m are zero: the range includes 0 anyway
+    lo = at::vec::minimum(lo, at::vec::minimum(a, b));
+    hi = at::vec::maximum(hi, at::vec::maximum(a, b));
+  });
+  const float l = reduce_min(lo), h = reduce_max(hi);
+  float s = (h - l) / 255.f;
+  if (s == 0.f) s = 1.f;  // an all-zero row
+  const float inv = 1.f / s;
+  const float z = std::min(std::max(std::nearbyint(-l * inv), 0.f), 255.f);
+  *scale = s;
+  *zero_point = static_cast<int32_t>(z);
+  const VecF vinv(inv), vz(z), zero(0.f), top(255.f);
+  float buf[kBlock];
+  for_blocks(k, [&](int64_t j, int64_t m) {
+    VecF a, b;
+    load2(x + j, m, a, b);
+    a = at::vec::clamp((a * vinv).round() + vz, zero, top);
+    b = at::vec::clamp((b * vinv).round() + vz, zero, top);
+    a.store(buf);
+    b.store(buf + kHalf);
+    for (int64_t i = 0; i < m; ++i) q[j + i] = static_cast<uint8_t>(buf[i]);
+  });
+}
+
+template <typename T>
+void quantize(const T* x, uint8_t* q, float* scale, int32_t* zero_point, int64_t rows, int64_t k) {
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(k, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) quantize_row(x + r * k, k, q + r * k, scale + r, zero_point + r);
+  });
+}
+
+// out = act(scale[r] * (acc - zero_point[r] * wsum) + bias), where acc = weight_scale * (q @ w^T) came from
+// oneDNN and wsum = weight_scale * (w's row sums): the zero point's share of the integer sums.
+template <typename T>
+void dequantize(const float* acc, const float* scale, const int32_t* zero_point, const float* wsum,
+                const float* bias, int64_t activation, T* out, int64_t rows, int64_t n) {
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1));
+  const bool tanh_form = activation == 2;
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const VecF s(scale[r]), c(-scale[r] * static_cast<float>(zero_point[r]));
+      const float* ar = acc + r * n;
+      T* yr = out + r * n;
+      for_blocks(n, [&](int64_t j, int64_t m) {
+        VecF a0, a1, w0, w1, b0(0.f), b1(0.f);
+        load2(ar + j, m, a0, a1);
+        load2(wsum + j, m, w0, w1);
+        if (bias != nullptr) load2(bias + j, m, b0, b1);
+        VecF y0 = at::vec::fmadd(s, a0, at::vec::fmadd(c, w0, b0));
+        VecF y1 = at::vec::fmadd(s, a1, at::vec::fmadd(c, w1, b1));
+        if (activation != 0) {
+          y0 = gelu<T>(y0, tanh_form);
+          y1 = gelu<T>(y1, tanh_form);
+        }
+        store2(yr + j, m, y0, y1);
+      });
+    }
+  });
+}
+
+void quantize_rows(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& zero_point) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "quantize_rows: x must be a contiguous [rows, k] tensor");
+  TORCH_CHECK(q.sizes() == x.sizes() && q.is_contiguous() && q.scalar_type() == at::kByte,
+              "quantize_rows: q must be uint8 shaped like x");
+  TORCH_CHECK(scale.numel() == x.size(0) && scale.is_contiguous() && scale.scalar_type() == at::kFloat,
+              "quantize_rows: scale must be float32 [rows]");
+  TORCH_CHECK(zero_point.numel() == x.size(0) && zero_point.is_contiguous() && zero_point.scalar_type() == at::kInt,
+              "quantize_rows: zero_point must be int32 [rows]");
+  const int64_t rows = x.size(0), k = x.size(1);
+  auto* qp = q.data_ptr<uint8_t>();
+  if (x.scalar_type() == at::kFloat) {
+    quantize(x.data_ptr<float>(), qp, scale.data_ptr<float>(), zero_point.data_ptr<int32_t>(), rows, k);
+  } else if (x.scalar_type() == at::kBFloat16) {
+    quantize(x.data_ptr<at::BFloat16>(), qp, scale.data_ptr<float>(), zero_point.data_ptr<int32_t>(), rows, k);
+  } else {
+    TORCH_CHECK(false, "quantize_rows: dtype ", x.scalar_type(), " (supported: float32, bfloat16)");
+  }
+}
+
+void dequantize_rows(const at::Tensor& acc, const at::Tensor& scale, const at::Tensor& zero_point,
+                     const at::Tensor& wsum, const std::optional<at::Tensor>& bias, int64_t activation,
+                     const at::Tensor& out) {
+  TORCH_CHECK(acc.dim() == 2 && acc.is_contiguous() && acc.scalar_type() == at::kFloat,
+              "dequantize_rows: acc must be a contiguous float32 [rows, n] tensor");
+  const int64_t rows = acc.size(0), n = acc.size(1);
+  TORCH_CHECK(scale.numel() == rows && scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
+                  zero_point.numel() == rows && zero_point.scalar_type() == at::kInt && zero_point.is_contiguous(),
+              "dequantize_rows: scale (float32) and zero_point (int32) must be [rows]");
+  TORCH_CHECK(wsum.numel() == n && wsum.scalar_type() == at::kFloat && wsum.is_contiguous(),
+              "dequantize_rows: wsum must be float32 [n]");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == n && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
+                "dequantize_rows: bias must be float32 [n]");
+    b = bias->data_ptr<float>();
+  }
+  TORCH_CHECK(activation >= 0 && activation <= 2, "dequantize_rows: activation must be 0 (none), 1 (gelu), 2 (gelu_tanh)");
+  TORCH_CHECK(out.sizes() == acc.sizes() && out.is_contiguous(), "dequantize_rows: out must be shaped like acc");
+  if (out.scalar_type() == at::kFloat) {
+    dequantize(acc.data_ptr<float>(), scale.data_ptr<float>(), zero_point.data_ptr<int32_t>(), wsum.data_ptr<float>(),
+               b, activation, out.data_ptr<float>(), rows, n);
+  } else if (out.scalar_type() == at::kBFloat16) {
+    dequantize(acc.data_ptr<float>(), scale.data_ptr<float>(), zero_point.data_ptr<int32_t>(), wsum.data_ptr<float>(),
+               b, activation, out.data_ptr<at::BFloat16>(), rows, n);
+  } else {
+    TORCH_CHECK(false, "dequantize_rows: out dtype ", out.scalar_type(), " (supported: float32, bfloat16)");
+  }
+}
+
+}  // namespace
+}  // namespace fastbert
+
+TORCH_LIBRARY_IMPL(fastbert_C, CPU, m) {
+  m.impl("quantize_rows", &fastbert::quantize_rows);
+  m.impl("dequantize_rows", &fastbert::dequantize_rows);
+}

@@ -1,0 +1,82 @@
+"""quantized_dense: dense with int8 weights, for inference. The weight is int8 per output channel
+(symmetric, reference.quantize_weight); x is quantized per row (per token) to uint8 with a zero point
+(reference.quantize_rows); the product is summed in int32 and dequantized, with bias and GELU, into x's
+dtype."""
+from __future__ import annotations
+
+import torch
+
+from fastbert import dispatch
+from fastbert.ops import _alloc, _checks, _onednn, reference
+from fastbert.ops._op import needs_grad
+from fastbert.ops.dense import EPILOGUES, linear_checks
+from fastbert.ops.prepared import PreparedWeights
+
+
+def quantized_dense(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                    activation: str = "none", approximate: str = "none", prepared: PreparedWeights | None = None):
+    """x [..., K] float32 or bfloat16; weight int8 [N, K] and weight_scale float32 [N] (weight ~= values x
+    scale, as reference.quantize_weight makes them); bias [N] or None -> [..., N] in x's dtype.
+    activation and approximate as for dense; `prepared`: the owner's PreparedWeights, where kernels keep
+    the packed weight."""
+    _checks.tensor("x", x, (1, 2, 3, 4))
+    _checks.tensor("weight", weight, (2,), floating=False)
+    if weight.dtype != torch.int8:
+        raise ValueError(f"weight must be int8 (reference.quantize_weight makes it), got {weight.dtype}")
+    _checks.tensor("weight_scale", weight_scale, (1,))
+    if weight_scale.dtype != torch.float32:
+        raise ValueError(f"weight_scale must be float32, got {weight_scale.dtype}")
+    _checks.shape("weight_scale", weight_scale, (weight.shape[0],), "weight's first dimension")
+    for name, t in (("weight", weight), ("weight_scale", weight_scale), ("bias", bias)):
+        if t is not None:
+            _checks.same_device(name, t, "x", x)
+    epilogue = linear_checks(x, weight, bias, activation, approximate, prepared)
+    if needs_grad(x, bias):
+        raise ValueError("quantized_dense is for inference: int8 weights have no gradient (run under "
+                         "torch.no_grad() or torch.inference_mode(), or train the float model and quantize it after)")
+    return dispatch.call("quantized_dense", {"tensors": (x, weight)}, x, weight, weight_scale, bias, epilogue, prepared)
+
+
+@dispatch.register("quantized_dense", "reference", dispatch.Support(("cpu", "cuda"), dispatch.FLOATS))
+def _reference(x, weight, weight_scale, bias, epilogue, prepared):
+    activation, approximate = next(k for k, v in EPILOGUES.items() if v == epilogue)
+    return reference.quantized_dense(x, weight, weight_scale, bias, activation, approximate)
+
+
+# ------------------------------------- cpu: oneDNN's u8 x s8 GEMM between fastbert._C's quantize and epilogue
+
+_ACTIVATION_CODES = {"none": 0, "gelu": 1, "gelu_tanh": 2}
+
+
+def _packed(weight, rows_hint):
+    return torch.ops.onednn.qlinear_prepack(weight.contiguous(), [max(rows_hint, 1), weight.shape[1]])
+
+
+def _weight_sums(weight, weight_scale):
+    """weight_scale x each output channel's sum of int8 values: the zero point's share of the GEMM."""
+    return weight.sum(1, dtype=torch.int32).float() * weight_scale
+
+
+@dispatch.register("quantized_dense", "cpu", dispatch.Support(("cpu",), (torch.float32, torch.bfloat16)),
+                   extra_reasons=lambda facts: _onednn.missing("onednn", ("qlinear_prepack", "qlinear_pointwise")))
+def _cpu(x, weight, weight_scale, bias, epilogue, prepared):
+    n, k = weight.shape
+    x2d = x.reshape(-1, k).contiguous()
+    m = x2d.shape[0]
+    q = _alloc.empty((m, k), dtype=torch.uint8, device=x.device)
+    scale = _alloc.empty((m,), dtype=torch.float32, device=x.device)
+    zero_point = _alloc.empty((m,), dtype=torch.int32, device=x.device)
+    torch.ops.fastbert_C.quantize_rows(x2d, q, scale, zero_point)
+    if prepared is None:
+        packed, wsum = _packed(weight, m), _weight_sums(weight, weight_scale)
+    else:
+        packed = prepared.get("onednn_int8", (weight,), lambda w: _packed(w, m))
+        wsum = prepared.get("int8_sums", (weight, weight_scale), _weight_sums)
+    # Scale 1, zero point 0 for x: the GEMM returns weight_scale x (q @ weight^T); rows are scaled after.
+    zeros = torch.zeros(n, dtype=torch.int64)
+    acc = torch.ops.onednn.qlinear_pointwise(q, 1.0, 0, packed, weight_scale, zeros, None, 1.0, 0, torch.float32,
+                                             "none", [], "")
+    out = _alloc.empty((m, n), dtype=x.dtype, device=x.device)
+    bias = None if bias is None else bias.float().contiguous()
+    torch.ops.fastbert_C.dequantize_rows(acc, scale, zero_point, wsum, bias, _ACTIVATION_CODES[epilogue], out)
+    return out.view(*x.shape[:-1], n)

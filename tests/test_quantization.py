@@ -1,0 +1,120 @@
+"""fastbert.quantize: int8 encoder linears, accuracy against the float model on real sentences (the
+tolerance table's int8 row), the drop-in paths, saving and loading."""
+import copy
+
+import pytest
+import torch
+import transformers
+
+import fastbert
+from fastbert import dispatch
+from fastbert.apps.demo import mean_pool, minilm_dir
+from fastbert.quantization import Int8Linear
+from fastbert.testing import INT8, assert_ran, rel_err
+from grids import skip_unless_runnable
+from pathlib import Path
+
+SENTENCES = [line for line in (Path(__file__).parent / "data" / "sentences.txt").read_text("utf-8").split("\n") if line]
+
+
+def small_config(**kw):
+    return fastbert.BertConfig(vocab_size=500, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                               intermediate_size=512, max_position_embeddings=64, **kw)
+
+
+def spearman(a, b):
+    rank = lambda v: v.argsort().argsort().double()  # noqa: E731 (no ties among similarities of distinct texts)
+    return float(torch.corrcoef(torch.stack([rank(a), rank(b)]))[0, 1])
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    path = minilm_dir()
+    return transformers.AutoTokenizer.from_pretrained(path), fastbert.BertModel.from_pretrained(path)
+
+
+def test_minilm_int8_embeddings_rank_like_float32(minilm):
+    skip_unless_runnable("quantized_dense", "cpu", torch.float32)
+    tokenizer, model = minilm
+    batch = tokenizer(SENTENCES, padding=True, truncation=True, max_length=128, return_tensors="pt")
+    assert len(SENTENCES) >= 300 and int((batch["attention_mask"] == 0).sum()) > 0
+    quantized = fastbert.quantize(copy.deepcopy(model))
+    with torch.inference_mode():
+        ref = mean_pool(model(**batch).last_hidden_state, batch["attention_mask"])
+        with dispatch.record() as calls:
+            out = mean_pool(quantized(**batch).last_hidden_state, batch["attention_mask"])
+    assert_ran(calls, "quantized_dense", "cpu")
+    ops_run = [c[0] for c in calls]
+    # Four int8 GEMMs a layer (fused QKV, attention output, FFN in, FFN out); the float pooler once.
+    assert ops_run.count("quantized_dense") == 4 * model.config.num_hidden_layers and ops_run.count("dense") == 1
+    cosine = (out * ref).sum(-1)
+    assert torch.isfinite(out).all()
+    assert float(cosine.min()) >= INT8.sentence_cosine, f"worst sentence cosine {float(cosine.min()):.4f}"
+    upper = torch.triu_indices(len(SENTENCES), len(SENTENCES), 1)
+    rho = spearman((ref @ ref.T)[upper[0], upper[1]], (out @ out.T)[upper[0], upper[1]])
+    assert rho >= INT8.spearman, f"Spearman of pairwise similarities {rho:.4f}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("padded", [False, True], ids=["full", "padded"])
+def test_random_bert_base_last_hidden_state_close_to_float(dtype, padded):
+    skip_unless_runnable("quantized_dense", "cpu", dtype)
+    model = fastbert.BertModel(fastbert.BertConfig()).eval()  # BERT-base: 12 layers of 768
+    ids = torch.randint(5, 30000, (3, 40))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, 25:], mask[2, 3:] = 0, 0
+    quantized = fastbert.quantize(copy.deepcopy(model)).to(dtype)
+    with torch.inference_mode():
+        ref = model(ids, attention_mask=mask).last_hidden_state.double()
+        with dispatch.record() as calls:
+            out = quantized(ids, attention_mask=mask).last_hidden_state
+    assert_ran(calls, "quantized_dense", "cpu")
+    assert out.dtype == dtype
+    real = mask.bool()
+    err = rel_err(out[real].double(), ref[real])
+    assert err <= INT8.hidden_rel_err, f"rel err {err:.4f}"
+
+
+def test_quantize_replaces_every_encoder_linear_and_freezes():
+    model = fastbert.BertForSequenceClassification(small_config(num_labels=3))
+    fastbert.quantize(model)
+    linears = [n for n, m in model.named_modules() if isinstance(m, Int8Linear)]
+    assert len(linears) == 2 * 6 and not model.training
+    assert isinstance(model.bert.pooler.dense, torch.nn.Linear) and isinstance(model.classifier, torch.nn.Linear)
+    assert not any(p.requires_grad for p in model.parameters())
+    with torch.no_grad():
+        logits = model(torch.randint(5, 500, (2, 9))).logits
+    assert logits.shape == (2, 3) and torch.isfinite(logits).all()
+
+
+def test_cast_keeps_scales_float32():
+    model = fastbert.quantize(fastbert.BertModel(small_config()))
+    before = model.encoder.layer[0].intermediate.dense.weight_scale.clone()
+    model.to(torch.bfloat16)
+    layer = model.encoder.layer[0].intermediate.dense
+    assert layer.weight.dtype == torch.int8 and layer.weight_scale.dtype == torch.float32
+    assert torch.equal(layer.weight_scale, before) and layer.bias.dtype == torch.float32
+
+
+def test_save_and_load_keep_the_int8_weights(tmp_path):
+    model = fastbert.quantize(fastbert.BertModel(small_config()))
+    model.save_pretrained(tmp_path)
+    loaded = fastbert.BertModel.from_pretrained(tmp_path)
+    assert isinstance(loaded.encoder.layer[1].output.dense, Int8Linear)
+    for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    ids = torch.randint(5, 500, (2, 11))
+    with torch.no_grad():
+        assert torch.equal(model(ids).last_hidden_state, loaded(ids).last_hidden_state)
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="mode must be one of"):
+        fastbert.quantize(fastbert.BertModel(small_config()), mode="fp4")
+    with pytest.raises(TypeError, match="needs a fastbert BertModel"):
+        fastbert.quantize(torch.nn.Sequential(torch.nn.Linear(3, 3)))
+    model = fastbert.quantize(fastbert.BertModel(small_config()))
+    model.requires_grad_(True)  # someone tries to train it
+    with pytest.raises(ValueError, match="is for inference"):
+        model(torch.randint(5, 500, (1, 4)))
