@@ -30,6 +30,9 @@ TORCH_LIBRARY(fastbert_C, m) {
   m.def("quantize_rows(Tensor x, Tensor(a!) q, Tensor(b!) scale, Tensor(c!) zero_point) -> ()");
   m.def("dequantize_rows(Tensor acc, Tensor scale, Tensor zero_point, Tensor wsum, Tensor? bias, int activation, "
         "Tensor(a!) out) -> ()");
+  // dequantize_rows, then quantize_rows of the result, without writing the float result.
+  m.def("requantize_rows(Tensor acc, Tensor scale, Tensor zero_point, Tensor wsum, Tensor? bias, int activation, "
+        "Tensor(a!) q, Tensor(b!) q_scale, Tensor(c!) q_zero_point) -> ()");
   m.def("dropout_keep(int seed, float dropout_p, int sequences, int heads, int rows, int cols) -> Tensor");
 }
 

@@ -70,10 +70,11 @@ class BertEmbeddings(nn.Module):
         return self.dropout(x)
 
 
-def linear(module, x, activation="none", approximate="none", prepared=None):
-    """`module` (an nn.Linear, or an Int8Linear after fastbert.quantize) applied to x, the activation fused."""
+def linear(module, x, activation="none", approximate="none", prepared=None, quantize_output=False):
+    """`module` (an nn.Linear, or an Int8Linear after fastbert.quantize) applied to x, the activation fused;
+    `quantize_output`: an Int8Linear returns ops.QuantizedRows for the next Int8Linear."""
     if isinstance(module, Int8Linear):
-        return module(x, activation, approximate)
+        return module(x, activation, approximate, quantize_output)
     return ops.dense(x, module.weight, module.bias, activation, approximate, prepared)
 
 
@@ -151,8 +152,8 @@ class BertIntermediate(nn.Module):
         self.approximate = config.gelu_approximate  # GELU's form: "none" (erf) or "tanh"
         self.prepared = ops.PreparedWeights()
 
-    def forward(self, x):
-        return linear(self.dense, x, "gelu", self.approximate, self.prepared)  # [B, S, I]
+    def forward(self, x, quantize_output=False):
+        return linear(self.dense, x, "gelu", self.approximate, self.prepared, quantize_output)  # [B, S, I]
 
 
 class BertOutput(BertSelfOutput):
@@ -170,7 +171,9 @@ class BertLayer(nn.Module):
 
     def forward(self, x, attention_mask=None, need_weights=False, packing=None):
         x, probs = self.attention(x, attention_mask, need_weights, packing)
-        return self.output(self.intermediate(x), x), probs
+        # int8 FFN: the GELU's output goes to the second GEMM quantized, never as floats.
+        both_int8 = isinstance(self.intermediate.dense, Int8Linear) and isinstance(self.output.dense, Int8Linear)
+        return self.output(self.intermediate(x, quantize_output=both_int8), x), probs
 
 
 class BertEncoder(nn.Module):

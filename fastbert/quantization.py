@@ -43,8 +43,9 @@ class Int8Linear(nn.Module):
             module.bias.copy_(linear.bias.detach().float())
         return module.to(linear.weight.device)
 
-    def forward(self, x, activation: str = "none", approximate: str = "none"):
-        return ops.quantized_dense(x, self.weight, self.weight_scale, self.bias, activation, approximate, self.prepared)
+    def forward(self, x, activation: str = "none", approximate: str = "none", quantize_output: bool = False):
+        return ops.quantized_dense(x, self.weight, self.weight_scale, self.bias, activation, approximate, self.prepared,
+                                   quantize_output)
 
     def _apply(self, fn, *args, **kwargs):
         self.prepared.clear()

@@ -5,7 +5,7 @@ import torch
 
 from fastbert import dispatch, ops
 from fastbert.ops import reference
-from fastbert.testing import assert_close, assert_ran, poison_outputs
+from fastbert.testing import assert_close, assert_ran, poison_outputs, tolerance
 from grids import skip_unless_runnable
 
 SHAPES = [((1, 7), 5, "none", "none"), ((13, 97), 64, "gelu", "none"), ((2, 9, 768), 3072, "gelu", "tanh"),
@@ -32,6 +32,38 @@ def test_matches_reference_on_the_same_quantized_input(shape, n, activation, app
     truth = reference.quantized_dense(x.double(), weight, scale, None if b is None else b.double(), activation, approximate)
     naive = reference.quantized_dense(x, weight, scale, b, activation, approximate)
     assert_close(out, truth, dtype, "matmul", naive=naive)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape,n,activation,approximate", SHAPES, ids=str)
+def test_quantized_output_is_the_result_within_half_a_step(shape, n, activation, approximate, dtype):
+    skip_unless_runnable("quantized_dense", "cpu", dtype)
+    x = (torch.randn(*shape) * 2).to(dtype)
+    weight, scale, b = layer(n, shape[-1])
+    with torch.no_grad(), poison_outputs(), dispatch.record() as calls:
+        out = ops.quantized_dense(x, weight, scale, b, activation, approximate, quantize_output=True)
+    assert_ran(calls, "quantized_dense", "cpu")
+    assert isinstance(out, ops.QuantizedRows) and out.dtype == dtype and out.values.shape == (*shape[:-1], n)
+    truth = reference.quantized_dense(x.double(), weight, scale, b.double(), activation, approximate)
+    want = reference.quantize_rows(truth.reshape(-1, n))  # the truth's own rows and their quantization
+    bound = tolerance(torch.float32, "matmul")
+    assert torch.isfinite(out.scale).all() and (out.scale - want[1]).abs().max() <= bound * want[1].max()
+    assert (out.zero_point - want[2]).abs().max() <= 1
+    # Each value within half a quantization step of the exact result (plus float32's matmul bound).
+    err = (out.dequantize().reshape(-1, n) - truth.reshape(-1, n)).abs()
+    assert (err <= out.scale.double()[:, None] * 0.5 + bound * truth.abs().max()).all(), float(err.max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_quantized_rows_input_equals_the_float_input(dtype):
+    skip_unless_runnable("quantized_dense", "cpu", dtype)
+    x = torch.randn(3, 5, 96).to(dtype)
+    weight, scale, b = layer(40, 96)
+    q, s, z = reference.quantize_rows(x.reshape(-1, 96))
+    rows = ops.QuantizedRows(q.reshape(x.shape), s, z, dtype)
+    assert torch.allclose(rows.dequantize(), x.double(), atol=float(s.max()) / 2 * 1.0001, rtol=0)
+    with torch.no_grad(), poison_outputs():
+        assert torch.equal(ops.quantized_dense(rows, weight, scale, b, "gelu"), ops.quantized_dense(x, weight, scale, b, "gelu"))
 
 
 def rows_with_edges(k, dtype):
@@ -79,6 +111,12 @@ def test_quantize_weight_is_symmetric_per_channel():
     (lambda w, s: ops.quantized_dense(torch.randn(2, 4), w, s, activation="relu"), "activation must be one of"),
     (lambda w, s: ops.quantized_dense(torch.randn(2, 4, requires_grad=True), w, s), "is for inference"),
     (lambda w, s: ops.quantized_dense(torch.randint(0, 5, (2, 4)), w, s), "x must be a floating-point tensor"),
+    (lambda w, s: ops.quantized_dense(ops.QuantizedRows(torch.zeros(2, 4, dtype=torch.int8), torch.ones(2),
+                                                        torch.zeros(2, dtype=torch.int32), torch.float32), w, s),
+     "QuantizedRows.values must be 2-D to 4-D uint8"),
+    (lambda w, s: ops.quantized_dense(ops.QuantizedRows(torch.zeros(2, 4, dtype=torch.uint8), torch.ones(3),
+                                                        torch.zeros(2, dtype=torch.int32), torch.float32), w, s),
+     "QuantizedRows.scale must be float32 \\[2\\]"),
 ])
 def test_bad_input_is_named(call, message):
     weight, scale = reference.quantize_weight(torch.randn(3, 4))

@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <vector>
 
 #include "gelu.h"
 #include "vec.h"
@@ -59,31 +60,48 @@ void quantize(const T* x, uint8_t* q, float* scale, int32_t* zero_point, int64_t
   });
 }
 
-// out = act(scale[r] * (acc - zero_point[r] * wsum) + bias), where acc = weight_scale * (q @ w^T) came from
-// oneDNN and wsum = weight_scale * (w's row sums): the zero point's share of the integer sums.
+// One row of out = act(scale * (acc - zero_point * wsum) + bias), where acc = weight_scale * (q @ w^T) came
+// from oneDNN and wsum = weight_scale * (w's row sums): the zero point's share of the integer sums.
+template <typename T>
+void dequantize_row(const float* acc, float scale, int32_t zero_point, const float* wsum, const float* bias,
+                    int64_t activation, T* out, int64_t n) {
+  const VecF s(scale), c(-scale * static_cast<float>(zero_point));
+  const bool tanh_form = activation == 2;
+  for_blocks(n, [&](int64_t j, int64_t m) {
+    VecF a0, a1, w0, w1, b0(0.f), b1(0.f);
+    load2(acc + j, m, a0, a1);
+    load2(wsum + j, m, w0, w1);
+    if (bias != nullptr) load2(bias + j, m, b0, b1);
+    VecF y0 = at::vec::fmadd(s, a0, at::vec::fmadd(c, w0, b0));
+    VecF y1 = at::vec::fmadd(s, a1, at::vec::fmadd(c, w1, b1));
+    if (activation != 0) {
+      y0 = gelu<T>(y0, tanh_form);
+      y1 = gelu<T>(y1, tanh_form);
+    }
+    store2(out + j, m, y0, y1);
+  });
+}
+
 template <typename T>
 void dequantize(const float* acc, const float* scale, const int32_t* zero_point, const float* wsum,
                 const float* bias, int64_t activation, T* out, int64_t rows, int64_t n) {
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1));
-  const bool tanh_form = activation == 2;
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      dequantize_row(acc + r * n, scale[r], zero_point[r], wsum, bias, activation, out + r * n, n);
+  });
+}
+
+// dequantize, then quantize each row again for the next GEMM (FFN in -> GELU -> FFN out): the float row
+// lives only in a per-thread buffer, never in memory.
+void requantize(const float* acc, const float* scale, const int32_t* zero_point, const float* wsum, const float* bias,
+                int64_t activation, uint8_t* q, float* q_scale, int32_t* q_zero_point, int64_t rows, int64_t n) {
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(n);
     for (int64_t r = begin; r < end; ++r) {
-      const VecF s(scale[r]), c(-scale[r] * static_cast<float>(zero_point[r]));
-      const float* ar = acc + r * n;
-      T* yr = out + r * n;
-      for_blocks(n, [&](int64_t j, int64_t m) {
-        VecF a0, a1, w0, w1, b0(0.f), b1(0.f);
-        load2(ar + j, m, a0, a1);
-        load2(wsum + j, m, w0, w1);
-        if (bias != nullptr) load2(bias + j, m, b0, b1);
-        VecF y0 = at::vec::fmadd(s, a0, at::vec::fmadd(c, w0, b0));
-        VecF y1 = at::vec::fmadd(s, a1, at::vec::fmadd(c, w1, b1));
-        if (activation != 0) {
-          y0 = gelu<T>(y0, tanh_form);
-          y1 = gelu<T>(y1, tanh_form);
-        }
-        store2(yr + j, m, y0, y1);
-      });
+      dequantize_row(acc + r * n, scale[r], zero_point[r], wsum, bias, activation, row.data(), n);
+      quantize_row(row.data(), n, q + r * n, q_scale + r, q_zero_point + r);
     }
   });
 }
@@ -107,9 +125,9 @@ void quantize_rows(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   }
 }
 
-void dequantize_rows(const at::Tensor& acc, const at::Tensor& scale, const at::Tensor& zero_point,
-                     const at::Tensor& wsum, const std::optional<at::Tensor>& bias, int64_t activation,
-                     const at::Tensor& out) {
+// The epilogue's inputs checked; returns the bias pointer (nullptr without one).
+const float* check_epilogue(const at::Tensor& acc, const at::Tensor& scale, const at::Tensor& zero_point,
+                            const at::Tensor& wsum, const std::optional<at::Tensor>& bias, int64_t activation) {
   TORCH_CHECK(acc.dim() == 2 && acc.is_contiguous() && acc.scalar_type() == at::kFloat,
               "dequantize_rows: acc must be a contiguous float32 [rows, n] tensor");
   const int64_t rows = acc.size(0), n = acc.size(1);
@@ -118,14 +136,19 @@ void dequantize_rows(const at::Tensor& acc, const at::Tensor& scale, const at::T
               "dequantize_rows: scale (float32) and zero_point (int32) must be [rows]");
   TORCH_CHECK(wsum.numel() == n && wsum.scalar_type() == at::kFloat && wsum.is_contiguous(),
               "dequantize_rows: wsum must be float32 [n]");
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == n && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
-                "dequantize_rows: bias must be float32 [n]");
-    b = bias->data_ptr<float>();
-  }
   TORCH_CHECK(activation >= 0 && activation <= 2, "dequantize_rows: activation must be 0 (none), 1 (gelu), 2 (gelu_tanh)");
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->numel() == n && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
+              "dequantize_rows: bias must be float32 [n]");
+  return bias->data_ptr<float>();
+}
+
+void dequantize_rows(const at::Tensor& acc, const at::Tensor& scale, const at::Tensor& zero_point,
+                     const at::Tensor& wsum, const std::optional<at::Tensor>& bias, int64_t activation,
+                     const at::Tensor& out) {
+  const float* b = check_epilogue(acc, scale, zero_point, wsum, bias, activation);
   TORCH_CHECK(out.sizes() == acc.sizes() && out.is_contiguous(), "dequantize_rows: out must be shaped like acc");
+  const int64_t rows = acc.size(0), n = acc.size(1);
   if (out.scalar_type() == at::kFloat) {
     dequantize(acc.data_ptr<float>(), scale.data_ptr<float>(), zero_point.data_ptr<int32_t>(), wsum.data_ptr<float>(),
                b, activation, out.data_ptr<float>(), rows, n);
@@ -137,10 +160,25 @@ void dequantize_rows(const at::Tensor& acc, const at::Tensor& scale, const at::T
   }
 }
 
+void requantize_rows(const at::Tensor& acc, const at::Tensor& scale, const at::Tensor& zero_point,
+                     const at::Tensor& wsum, const std::optional<at::Tensor>& bias, int64_t activation,
+                     const at::Tensor& q, const at::Tensor& q_scale, const at::Tensor& q_zero_point) {
+  const float* b = check_epilogue(acc, scale, zero_point, wsum, bias, activation);
+  const int64_t rows = acc.size(0), n = acc.size(1);
+  TORCH_CHECK(q.sizes() == acc.sizes() && q.is_contiguous() && q.scalar_type() == at::kByte,
+              "requantize_rows: q must be uint8 shaped like acc");
+  TORCH_CHECK(q_scale.numel() == rows && q_scale.is_contiguous() && q_scale.scalar_type() == at::kFloat &&
+                  q_zero_point.numel() == rows && q_zero_point.is_contiguous() && q_zero_point.scalar_type() == at::kInt,
+              "requantize_rows: q_scale (float32) and q_zero_point (int32) must be [rows]");
+  requantize(acc.data_ptr<float>(), scale.data_ptr<float>(), zero_point.data_ptr<int32_t>(), wsum.data_ptr<float>(), b,
+             activation, q.data_ptr<uint8_t>(), q_scale.data_ptr<float>(), q_zero_point.data_ptr<int32_t>(), rows, n);
+}
+
 }  // namespace
 }  // namespace fastbert
 
 TORCH_LIBRARY_IMPL(fastbert_C, CPU, m) {
   m.impl("quantize_rows", &fastbert::quantize_rows);
   m.impl("dequantize_rows", &fastbert::dequantize_rows);
+  m.impl("requantize_rows", &fastbert::requantize_rows);
 }

@@ -6,6 +6,7 @@ from fastbert.ops.dense import dense
 from fastbert.ops.prepared import PreparedWeights
 from fastbert.ops.qkv_projection import qkv_projection
 from fastbert.ops.quantized_dense import quantized_dense
+from fastbert.ops.reference import QuantizedRows
 
 __all__ = ["add_layer_norm", "attention", "varlen_attention", "bias_gelu", "dense", "qkv_projection", "quantized_dense",
-           "PreparedWeights"]
+           "PreparedWeights", "QuantizedRows"]

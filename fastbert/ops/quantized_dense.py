@@ -11,15 +11,23 @@ from fastbert.ops import _alloc, _checks, _onednn, reference
 from fastbert.ops._op import needs_grad
 from fastbert.ops.dense import EPILOGUES, linear_checks
 from fastbert.ops.prepared import PreparedWeights
+from fastbert.ops.reference import QuantizedRows
 
 
-def quantized_dense(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
-                    activation: str = "none", approximate: str = "none", prepared: PreparedWeights | None = None):
-    """x [..., K] float32 or bfloat16; weight int8 [N, K] and weight_scale float32 [N] (weight ~= values x
-    scale, as reference.quantize_weight makes them); bias [N] or None -> [..., N] in x's dtype.
-    activation and approximate as for dense; `prepared`: the owner's PreparedWeights, where kernels keep
-    the packed weight."""
-    _checks.tensor("x", x, (1, 2, 3, 4))
+def quantized_dense(x, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                    activation: str = "none", approximate: str = "none", prepared: PreparedWeights | None = None,
+                    quantize_output: bool = False):
+    """x [..., K] float32 or bfloat16, or QuantizedRows of it; weight int8 [N, K] and weight_scale float32
+    [N] (weight ~= values x scale, as reference.quantize_weight makes them); bias [N] or None -> [..., N] in
+    x's dtype, or with `quantize_output` as QuantizedRows, the next quantized_dense's input (the float
+    result is never written). activation and approximate as for dense; `prepared`: the owner's
+    PreparedWeights, where kernels keep the packed weight."""
+    if isinstance(x, QuantizedRows):
+        _check_rows(x)
+        tensors = (x.values, weight, x.scale)
+    else:
+        _checks.tensor("x", x, (1, 2, 3, 4))
+        tensors = (x, weight)
     _checks.tensor("weight", weight, (2,), floating=False)
     if weight.dtype != torch.int8:
         raise ValueError(f"weight must be int8 (reference.quantize_weight makes it), got {weight.dtype}")
@@ -29,18 +37,32 @@ def quantized_dense(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     _checks.shape("weight_scale", weight_scale, (weight.shape[0],), "weight's first dimension")
     for name, t in (("weight", weight), ("weight_scale", weight_scale), ("bias", bias)):
         if t is not None:
-            _checks.same_device(name, t, "x", x)
-    epilogue = linear_checks(x, weight, bias, activation, approximate, prepared)
-    if needs_grad(x, bias):
+            _checks.same_device(name, t, "x", tensors[0])
+    epilogue = linear_checks(tensors[0], weight, bias, activation, approximate, prepared)
+    if needs_grad(tensors[0], bias):
         raise ValueError("quantized_dense is for inference: int8 weights have no gradient (run under "
                          "torch.no_grad() or torch.inference_mode(), or train the float model and quantize it after)")
-    return dispatch.call("quantized_dense", {"tensors": (x, weight)}, x, weight, weight_scale, bias, epilogue, prepared)
+    return dispatch.call("quantized_dense", {"tensors": tensors}, x, weight, weight_scale, bias, epilogue, prepared,
+                         bool(quantize_output))
+
+
+def _check_rows(x: QuantizedRows) -> None:
+    if x.values.dtype != torch.uint8 or x.values.dim() not in (2, 3, 4):
+        raise ValueError(f"QuantizedRows.values must be 2-D to 4-D uint8, got {x.values.dtype} {tuple(x.values.shape)}")
+    rows = x.values.numel() // max(x.values.shape[-1], 1)
+    if x.scale.dtype != torch.float32 or x.scale.shape != (rows,):
+        raise ValueError(f"QuantizedRows.scale must be float32 [{rows}], got {x.scale.dtype} {tuple(x.scale.shape)}")
+    if x.zero_point.dtype != torch.int32 or x.zero_point.shape != (rows,):
+        raise ValueError(f"QuantizedRows.zero_point must be int32 [{rows}], got {x.zero_point.dtype} "
+                         f"{tuple(x.zero_point.shape)}")
+    if x.dtype not in dispatch.FLOATS:
+        raise ValueError(f"QuantizedRows.dtype must be a float dtype, got {x.dtype}")
 
 
 @dispatch.register("quantized_dense", "reference", dispatch.Support(("cpu", "cuda"), dispatch.FLOATS))
-def _reference(x, weight, weight_scale, bias, epilogue, prepared):
+def _reference(x, weight, weight_scale, bias, epilogue, prepared, quantize_output):
     activation, approximate = next(k for k, v in EPILOGUES.items() if v == epilogue)
-    return reference.quantized_dense(x, weight, weight_scale, bias, activation, approximate)
+    return reference.quantized_dense(x, weight, weight_scale, bias, activation, approximate, quantize_output)
 
 
 # ------------------------------------- cpu: oneDNN's u8 x s8 GEMM between fastbert._C's quantize and epilogue
@@ -59,14 +81,19 @@ def _weight_sums(weight, weight_scale):
 
 @dispatch.register("quantized_dense", "cpu", dispatch.Support(("cpu",), (torch.float32, torch.bfloat16)),
                    extra_reasons=lambda facts: _onednn.missing("onednn", ("qlinear_prepack", "qlinear_pointwise")))
-def _cpu(x, weight, weight_scale, bias, epilogue, prepared):
+def _cpu(x, weight, weight_scale, bias, epilogue, prepared, quantize_output):
     n, k = weight.shape
-    x2d = x.reshape(-1, k).contiguous()
-    m = x2d.shape[0]
-    q = _alloc.empty((m, k), dtype=torch.uint8, device=x.device)
-    scale = _alloc.empty((m,), dtype=torch.float32, device=x.device)
-    zero_point = _alloc.empty((m,), dtype=torch.int32, device=x.device)
-    torch.ops.fastbert_C.quantize_rows(x2d, q, scale, zero_point)
+    if isinstance(x, QuantizedRows):
+        lead, dtype, device = x.values.shape[:-1], x.dtype, x.values.device
+        q, scale, zero_point = x.values.reshape(-1, k).contiguous(), x.scale, x.zero_point
+    else:
+        lead, dtype, device = x.shape[:-1], x.dtype, x.device
+        x2d = x.reshape(-1, k).contiguous()
+        q = _alloc.empty(x2d.shape, dtype=torch.uint8, device=device)
+        scale = _alloc.empty((x2d.shape[0],), dtype=torch.float32, device=device)
+        zero_point = _alloc.empty((x2d.shape[0],), dtype=torch.int32, device=device)
+        torch.ops.fastbert_C.quantize_rows(x2d, q, scale, zero_point)
+    m = q.shape[0]
     if prepared is None:
         packed, wsum = _packed(weight, m), _weight_sums(weight, weight_scale)
     else:
@@ -76,7 +103,14 @@ def _cpu(x, weight, weight_scale, bias, epilogue, prepared):
     zeros = torch.zeros(n, dtype=torch.int64)
     acc = torch.ops.onednn.qlinear_pointwise(q, 1.0, 0, packed, weight_scale, zeros, None, 1.0, 0, torch.float32,
                                              "none", [], "")
-    out = _alloc.empty((m, n), dtype=x.dtype, device=x.device)
     bias = None if bias is None else bias.float().contiguous()
-    torch.ops.fastbert_C.dequantize_rows(acc, scale, zero_point, wsum, bias, _ACTIVATION_CODES[epilogue], out)
-    return out.view(*x.shape[:-1], n)
+    code = _ACTIVATION_CODES[epilogue]
+    if quantize_output:
+        out = QuantizedRows(_alloc.empty((m, n), dtype=torch.uint8, device=device),
+                            _alloc.empty((m,), dtype=torch.float32, device=device),
+                            _alloc.empty((m,), dtype=torch.int32, device=device), dtype)
+        torch.ops.fastbert_C.requantize_rows(acc, scale, zero_point, wsum, bias, code, *out[:3])
+        return out._replace(values=out.values.view(*lead, n))
+    out = _alloc.empty((m, n), dtype=dtype, device=device)
+    torch.ops.fastbert_C.dequantize_rows(acc, scale, zero_point, wsum, bias, code, out)
+    return out.view(*lead, n)

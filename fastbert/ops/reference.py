@@ -7,6 +7,7 @@ can serve a call.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -54,15 +55,37 @@ def quantize_rows(x):
     return q.to(torch.uint8), scale, zero_point.to(torch.int32)
 
 
-def quantized_dense(x, weight, weight_scale, bias=None, activation="none", approximate="none"):
-    """dense with int8 weights ([N, K] values and float32 scale [N]) and x quantized per row by
-    quantize_rows; the products summed in x's dtype (float64 for the truth), the result in x's dtype."""
-    shape = x.shape
-    q, scale, zero_point = quantize_rows(x.reshape(-1, shape[-1]))
-    dt = x.dtype
+class QuantizedRows(NamedTuple):
+    """Activations quantized per row, as quantize_rows makes them: x ~= (values - zero_point) x scale, row by
+    row. `values` keeps x's shape; `dtype` is the float dtype they stand for."""
+
+    values: torch.Tensor  # uint8 [..., K]
+    scale: torch.Tensor  # float32 [rows]
+    zero_point: torch.Tensor  # int32 [rows]
+    dtype: torch.dtype
+
+    def dequantize(self) -> torch.Tensor:
+        rows = self.values.reshape(-1, self.values.shape[-1])
+        x = (rows.double() - self.zero_point.double()[:, None]) * self.scale.double()[:, None]
+        return x.reshape(self.values.shape)
+
+
+def quantized_dense(x, weight, weight_scale, bias=None, activation="none", approximate="none", quantize_output=False):
+    """dense with int8 weights ([N, K] values and float32 scale [N]) on x quantized per row by
+    quantize_rows (or given as QuantizedRows); the products summed in x's dtype (float64 for the truth).
+    The result in x's dtype, or, with quantize_output, as QuantizedRows of it."""
+    if isinstance(x, QuantizedRows):
+        shape, dt = x.values.shape, x.dtype
+        q, scale, zero_point = x.values.reshape(-1, shape[-1]), x.scale, x.zero_point
+    else:
+        shape, dt = x.shape, x.dtype
+        q, scale, zero_point = quantize_rows(x.reshape(-1, shape[-1]))
     x_hat = (q.to(dt) - zero_point.to(dt)[:, None]) * scale.to(dt)[:, None]
     y = dense(x_hat, weight.to(dt) * weight_scale.to(dt)[:, None], None if bias is None else bias.to(dt),
               activation, approximate)
+    if quantize_output:
+        values, y_scale, y_zero_point = quantize_rows(y)
+        return QuantizedRows(values.reshape(*shape[:-1], weight.shape[0]), y_scale, y_zero_point, dt)
     return y.reshape(*shape[:-1], weight.shape[0])
 
 
