@@ -8,6 +8,32 @@ import torch
 from fastbert import dispatch
 
 
+ISA_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
+                "amx_int8")
+
+
+def cpu() -> dict:
+    """The CPU's model name and which of ISA_FEATURES it has (from /proc/cpuinfo; empty elsewhere)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    return {"model": model, "features": [f for f in ISA_FEATURES if f in flags]}
+
+
+def cpu_line() -> str:
+    c = cpu()
+    return f"CPU: {c['model']} ({', '.join(c['features']) or 'no AVX2 or later'})"
+
+
 def _short(dtype: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}[dtype]
 
@@ -38,6 +64,7 @@ def report() -> str:
         f"fastbert {fastbert.__version__} | torch {torch.__version__} | python {platform.python_version()} | "
         f"{platform.machine()}, {torch.get_num_threads()} threads | CUDA GPU: "
         + (torch.cuda.get_device_name() if torch.cuda.is_available() else "none"),
+        cpu_line(),
         "",
         table(),
         "",

@@ -45,9 +45,13 @@ class Int8Tolerance:
     sentence_cosine: float  # each sentence's mean-pooled embedding: cosine(int8, float32), the smallest
     spearman: float  # rank correlation of all pairwise cosine similarities, int8 vs float32
     hidden_rel_err: float  # rel err of last_hidden_state of a random-weight BERT-base (measured ~0.02)
+    checkpoint_rel_err: float  # the same on a trained checkpoint, where a few outlier dimensions carry most of
+    # the norm (all-MiniLM-L6-v2, measured: fastbert 0.061, OpenVINO's NNCF int8 0.10-0.11, ONNX Runtime's
+    # dynamic int8 0.19-0.20). What `bench` asks of every int8 model before timing it: past it the
+    # quantization is broken, not merely coarse.
 
 
-INT8 = Int8Tolerance(sentence_cosine=0.99, spearman=0.995, hidden_rel_err=0.03)
+INT8 = Int8Tolerance(sentence_cosine=0.99, spearman=0.995, hidden_rel_err=0.03, checkpoint_rel_err=0.25)
 NAIVE_FACTOR = 2.0  # a kernel may be at most this much worse than same-dtype PyTorch ...
 NAIVE_FLOOR = 0.1  # ... plus this fraction of the table's bound or one rounding step (eps) of the dtype,
 # whichever is larger: two correct implementations may round a single-element result one ulp apart.

@@ -20,13 +20,17 @@ import torch
 
 import fastbert
 from fastbert.apps.timing import alternating_medians
-from fastbert.testing import assert_close
+from fastbert.info import cpu, cpu_line
+from fastbert.testing import INT8, assert_close, rel_err
 
-COMPETITORS = ("fastbert", "hf-eager", "hf-sdpa", "compile", "nested", "onnxruntime")
-DEFAULT_COMPETITORS = ("fastbert", "hf-eager", "hf-sdpa", "nested", "onnxruntime")
+COMPETITORS = ("fastbert", "hf-eager", "hf-sdpa", "compile", "nested", "onnxruntime", "openvino", "fastbert-bf16")
+DEFAULT_COMPETITORS = ("fastbert", "hf-eager", "hf-sdpa", "nested", "onnxruntime", "openvino")
 SHAPES = ("1x128", "8x128", "8x512", "ragged32")
 MODELS = ("minilm", "base")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# int8 rows: every model's weights quantized by its own tool (fastbert.quantize, ONNX Runtime's dynamic
+# quantization, OpenVINO's NNCF post-training quantization); activations and outputs in float32.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.float32}
+CALIBRATION_SEEDS = (11, 12, 13, 14)  # make_batch("8x128") seeds of the static-quantization calibration batches
 
 
 def log(*parts) -> None:
@@ -61,14 +65,20 @@ def useful_flops(config: fastbert.BertConfig, mask: torch.Tensor) -> float:
     return layers * (per_token * float(lengths.sum()) + attention)
 
 
-def gemm_rate(dtype: torch.dtype, device: str = "cpu") -> float:
-    """GFLOP/s of the machine's GEMM, measured now: oneDNN's packed GEMM at BERT-base FFN width on
-    CPU, a large cuBLAS matmul on GPU."""
+def gemm_rate(dtype: torch.dtype, device: str = "cpu", quantized: bool = False) -> float:
+    """GFLOP/s (GOP/s for int8) of the machine's GEMM, measured now: oneDNN's packed GEMM at BERT-base FFN
+    width on CPU (u8 x s8 for int8), a large cuBLAS matmul on GPU."""
     from fastbert.ops import _onednn
 
     m, k, n = (1024, 768, 3072) if device == "cpu" else (8192, 8192, 8192)
     x, w = torch.randn(m, k).to(device, dtype), torch.randn(n, k).to(device, dtype)
-    if device == "cpu" and not _onednn.missing():
+    if quantized:
+        q, packed = torch.randint(0, 256, (m, k), dtype=torch.uint8), torch.ops.onednn.qlinear_prepack(
+            torch.randint(-127, 128, (n, k), dtype=torch.int8), [m, k])
+        scale, zeros = torch.ones(n), torch.zeros(n, dtype=torch.int64)
+        fn = lambda: torch.ops.onednn.qlinear_pointwise(q, 1.0, 0, packed, scale, zeros, None, 1.0, 0,  # noqa: E731
+                                                        torch.float32, "none", [], "")
+    elif device == "cpu" and not _onednn.missing():
         blocked = _onednn.pack(w, m)
         fn = lambda: _onednn.linear(x, blocked, None)  # noqa: E731
     else:
@@ -150,8 +160,26 @@ def nested_encoder(hf_model, dtype):
     return run, ""
 
 
-def onnxruntime_runner(hf_model, dtype, workdir):
-    """ONNX Runtime on the same weights, exported and fused by ORT's transformer optimizer."""
+class KeywordCall(torch.nn.Module):
+    """An HF model called with keywords (positional arguments clash with use_cache), returning
+    last_hidden_state: what exporters trace."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+
+def calibration_batches(vocab: int):
+    return [make_batch("8x128", vocab, seed) for seed in CALIBRATION_SEEDS]
+
+
+def onnxruntime_runner(hf_model, dtype, workdir, quantized=False):
+    """ONNX Runtime on the same weights, exported and fused by ORT's transformer optimizer; for int8,
+    then quantized by ORT's dynamic quantization (per-channel int8 weights, as sentence-transformers'
+    avx512_vnni export does)."""
     if hf_model.device.type != "cpu":
         return None, "CPU only here (onnxruntime's CPU execution provider)"
     if dtype != torch.float32:
@@ -162,24 +190,25 @@ def onnxruntime_runner(hf_model, dtype, workdir):
     except ImportError as e:
         return None, f"not installed ({e.name}); pip install onnxruntime onnx"
 
-    class Wrapper(torch.nn.Module):  # keyword call: positional arguments clash with use_cache
-        def __init__(self, model):
-            super().__init__()
-            self.model = model
-
-        def forward(self, input_ids, attention_mask):
-            return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-
     os.makedirs(workdir, exist_ok=True)
     raw, fused = os.path.join(workdir, "bert.onnx"), os.path.join(workdir, "bert-opt.onnx")
     ids, mask = make_batch("8x128", hf_model.config.vocab_size)
     # Export a copy: the exporter leaves the module it traced in a state whose outputs differ afterwards.
-    torch.onnx.export(Wrapper(copy.deepcopy(hf_model)), (ids, mask), raw, input_names=["input_ids", "attention_mask"],
+    torch.onnx.export(KeywordCall(copy.deepcopy(hf_model)), (ids, mask), raw, input_names=["input_ids", "attention_mask"],
                       output_names=["last_hidden_state"], opset_version=17, dynamo=False,
                       dynamic_axes={"input_ids": {0: "b", 1: "s"}, "attention_mask": {0: "b", 1: "s"},
                                     "last_hidden_state": {0: "b", 1: "s"}})
     cfg = hf_model.config
     optimize_model(raw, model_type="bert", num_heads=cfg.num_attention_heads, hidden_size=cfg.hidden_size).save_model_to_file(fused)
+    if quantized:
+        import onnx
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+
+        int8 = os.path.join(workdir, "bert-opt-int8.onnx")
+        # ORT's fused ops (com.microsoft domain) give the quantizer no value types: every tensor is float.
+        quantize_dynamic(fused, int8, weight_type=QuantType.QInt8, per_channel=True,
+                         extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
+        fused = int8
     options = ort.SessionOptions()
     options.intra_op_num_threads = torch.get_num_threads()
     session = ort.InferenceSession(fused, options, providers=["CPUExecutionProvider"])
@@ -191,12 +220,52 @@ def onnxruntime_runner(hf_model, dtype, workdir):
     return run, ""
 
 
-def build_competitors(names, ours, eager, sdpa, dtype, workdir) -> list[Competitor]:
+def openvino_runner(hf_model, dtype, quantized=False, calibration=None):
+    """OpenVINO on the same weights (what Intel-CPU users and sentence-transformers' backend="openvino"
+    run): converted from the transformers model, bf16 or f32 inference precision; for int8, quantized
+    by NNCF's post-training quantization on `calibration` batches ((ids, mask) pairs; default
+    calibration_batches) with model_type TRANSFORMER."""
+    if hf_model.device.type != "cpu":
+        return None, "CPU only here"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return None, "fp32, bf16 and int8 only"
+    try:
+        import openvino as ov
+    except ImportError as e:
+        return None, f"not installed ({e.name}); pip install openvino"
+    example = make_batch("8x128", hf_model.config.vocab_size)
+    model = ov.convert_model(KeywordCall(copy.deepcopy(hf_model).float()), example_input=example,
+                             input=[("input_ids", [-1, -1], ov.Type.i64), ("attention_mask", [-1, -1], ov.Type.i64)])
+    if quantized:
+        try:
+            import nncf
+        except ImportError as e:
+            return None, f"not installed ({e.name}); pip install nncf"
+        batches = calibration or calibration_batches(hf_model.config.vocab_size)
+        data = nncf.Dataset(batches, lambda b: {"input_ids": b[0].numpy(), "attention_mask": b[1].numpy()})
+        model = nncf.quantize(model, data, model_type=nncf.ModelType.TRANSFORMER, subset_size=len(batches))
+    config = {"INFERENCE_NUM_THREADS": torch.get_num_threads(), "PERFORMANCE_HINT": "LATENCY",
+              "INFERENCE_PRECISION_HINT": "bf16" if dtype == torch.bfloat16 else "f32"}
+    compiled = ov.Core().compile_model(model, "CPU", config)
+
+    def run(ids, mask):
+        return torch.from_numpy(compiled({"input_ids": ids.numpy(), "attention_mask": mask.numpy()})[0].copy())
+
+    return run, ""
+
+
+def build_competitors(names, ours, eager, sdpa, dtype, workdir, quantized=False) -> list[Competitor]:
+    """The competitors in `dtype`; with `quantized` (int8 rows), fastbert, onnxruntime and openvino run
+    int8 models, transformers float32, and fastbert-bf16 the fastbert model in bfloat16."""
     out = []
     for name in names:
         try:
             if name == "fastbert":
-                out.append(Competitor(name, lambda ids, mask: ours(ids, attention_mask=mask).last_hidden_state))
+                model = fastbert.quantize(copy.deepcopy(ours)) if quantized else ours
+                out.append(Competitor(name, lambda ids, mask, m=model: m(ids, attention_mask=mask).last_hidden_state))
+            elif name == "fastbert-bf16":
+                model = copy.deepcopy(ours).to(torch.bfloat16)
+                out.append(Competitor(name, lambda ids, mask, m=model: m(ids, attention_mask=mask).last_hidden_state.float()))
             elif name == "hf-eager":
                 out.append(Competitor(name, hf_runner(eager)))
             elif name == "hf-sdpa":
@@ -212,7 +281,10 @@ def build_competitors(names, ours, eager, sdpa, dtype, workdir) -> list[Competit
                 run, why = nested_encoder(eager, dtype)
                 out.append(Competitor(name, run, why))
             elif name == "onnxruntime":
-                run, why = onnxruntime_runner(eager, dtype, workdir)
+                run, why = onnxruntime_runner(eager, dtype, workdir, quantized)
+                out.append(Competitor(name, run, why))
+            elif name == "openvino":
+                run, why = openvino_runner(eager, dtype, quantized)
                 out.append(Competitor(name, run, why))
             else:
                 raise ValueError(f"unknown competitor {name!r} (known: {', '.join(COMPETITORS)})")
@@ -235,17 +307,20 @@ class Row:
     padded_tokens: int
     ms: dict = field(default_factory=dict)  # competitor -> median ms
     skipped: dict = field(default_factory=dict)  # competitor -> reason
+    errors: dict = field(default_factory=dict)  # competitor -> rel err of last_hidden_state vs transformers float32
     gflop: float = 0.0
     gemm_fraction: float = 0.0  # fastbert's useful FLOP/s over the oneDNN GEMM rate
 
 
 def measure(timed: list[Competitor], reference: Competitor, ids, mask, dtype, rounds: int, device: str = "cpu",
-            naive: Competitor | None = None):
+            naive: Competitor | None = None, quantized: bool = False):
     """Check each competitor against `reference` (float32) at real tokens, within the table's bound for
     `dtype` (kind "matmul": a model's output carries its GEMMs' and attention's error) and, given `naive`
-    (transformers eager in a lower `dtype`), within 2x of its error; then time alternating rounds."""
+    (transformers eager in a lower `dtype`), within 2x of its error; int8 models within the table's int8
+    row. Then time alternating rounds. Returns medians, reasons for the skipped, and each checked
+    competitor's rel err."""
     real = mask.bool()
-    ms, skipped, live = {}, {}, []
+    ms, skipped, errors, live = {}, {}, {}, []
     with torch.inference_mode():
         truth = reference.run(ids, mask)[real].cpu()
         plain = naive.run(ids, mask)[real].cpu() if naive is not None else None
@@ -259,15 +334,21 @@ def measure(timed: list[Competitor], reference: Competitor, ids, mask, dtype, ro
             except Exception as e:
                 skipped[c.name] = f"failed: {type(e).__name__}: {e}"[:200]
                 continue
+            got = out[real].cpu().double()
+            errors[c.name] = rel_err(got, truth.double())
             try:
-                assert_close(out[real].cpu(), truth, dtype, "matmul", naive=plain, name="last_hidden_state")
+                if quantized:
+                    assert torch.isfinite(got).all() and errors[c.name] <= INT8.checkpoint_rel_err, (
+                        f"rel err {errors[c.name]:.4f} > the int8 row's {INT8.checkpoint_rel_err}")
+                else:
+                    assert_close(out[real].cpu(), truth, dtype, "matmul", naive=plain, name="last_hidden_state")
             except AssertionError as e:
                 skipped[c.name] = f"output differs from transformers eager (float32): {e}"[:300]
                 continue
             live.append(c)
         # Warmed up by the parity runs above.
         ms = alternating_medians({c.name: (lambda c=c: c.run(ids, mask)) for c in live}, rounds, device, warmup=0)
-    return ms, skipped
+    return ms, skipped, errors
 
 
 # -------------------------------------------------------------------------------------- reporting
@@ -285,8 +366,13 @@ def markdown(rows: list[Row], names: list[str], rates: dict) -> str:
         cells.append(f"{100 * r.gemm_fraction:.0f}%" if r.gemm_fraction else "n/a")
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
+    lines.append(cpu_line() + f", {torch.get_num_threads()} threads")
     lines.append("GEMM rate (CPU: oneDNN packed 1024x768x3072; GPU: cuBLAS 8192^3; same run): "
-                 + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in rates.items()))
+                 + ", ".join(f"{k} {v:.0f} {'GOP' if k == 'int8' else 'GFLOP'}/s" for k, v in rates.items()))
+    for r in rows:
+        if r.dtype == "int8":
+            lines.append(f"- rel err vs transformers float32, {r.model} int8 {r.shape}: "
+                         + ", ".join(f"{n} {e:.4f}" for n, e in r.errors.items()))
     notes = {(n, why) for r in rows for n, why in r.skipped.items()}
     for n, why in sorted(notes):
         lines.append(f"- {n} n/a: {why}")
@@ -326,15 +412,18 @@ def run(models=("minilm", "base"), dtypes=("fp32",), shapes=SHAPES, competitors=
         from fastbert.memory import keep_freed_memory as keep
 
         log("malloc keeps freed memory (fastbert.keep_freed_memory): " + ("on" if keep() else "not available (not glibc, or glibc refused it)"))
-    rates = {d: gemm_rate(DTYPES[d], device) for d in dtypes}
+    rates = {d: gemm_rate(DTYPES[d], device, quantized=d == "int8") for d in dtypes}
+    log(cpu_line())
     log("GEMM rate: " + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in rates.items()))
     rows = []
     for model in models:
         for dname in dtypes:
             dtype = DTYPES[dname]
             log(f"[{model} {dname}] loading models and building competitors ...")
+            quantized = dname == "int8"
             ours, eager, sdpa, truth = load_models(model, dtype, device)
-            built = build_competitors(competitors, ours, eager, sdpa, dtype, os.path.join(out_dir, f"onnx-{model}"))
+            built = build_competitors(competitors, ours, eager, sdpa, dtype, os.path.join(out_dir, f"onnx-{model}"),
+                                      quantized)
             # Parity: against eager in float32 (not timed); in a lower dtype also eager in that dtype, the
             # same-dtype PyTorch that fastbert.testing allows a kernel 2x of.
             reference = Competitor("transformers eager float32", hf_runner(truth))
@@ -343,8 +432,9 @@ def run(models=("minilm", "base"), dtypes=("fp32",), shapes=SHAPES, competitors=
                 ids, mask = (t.to(device) for t in make_batch(shape, ours.config.vocab_size))
                 log(f"[{model} {dname} {shape}] checking parity and timing {rounds} alternating rounds ...")
                 with fastbert.use_backend(backend) if backend else contextlib.nullcontext():
-                    ms, skipped = measure(built, reference, ids, mask, dtype, rounds, device, naive)
-                row = Row(model, dname, shape, int(mask.sum()), mask.numel(), ms, skipped, useful_flops(ours.config, mask) / 1e9)
+                    ms, skipped, errors = measure(built, reference, ids, mask, dtype, rounds, device, naive, quantized)
+                row = Row(model, dname, shape, int(mask.sum()), mask.numel(), ms, skipped, errors,
+                          useful_flops(ours.config, mask) / 1e9)
                 if "fastbert" in ms:
                     row.gemm_fraction = row.gflop / (ms["fastbert"] / 1e3) / rates[dname]
                 rows.append(row)
@@ -352,7 +442,7 @@ def run(models=("minilm", "base"), dtypes=("fp32",), shapes=SHAPES, competitors=
     names = list(competitors)
     table = markdown(rows, names, rates)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "cpu": cpu(),
             "gemm_gflops": rates, "keep_freed_memory": keep_freed_memory, "command": " ".join(sys.argv)}
     with open(os.path.join(out_dir, "bench.json"), "w") as f:
         json.dump({"meta": meta, "rows": [r.__dict__ for r in rows]}, f, indent=2)
