@@ -38,3 +38,16 @@ def test_bench_command_end_to_end(tmp_path):
         assert set(row["ms"]) == {"fastbert", "hf-sdpa"}, row["skipped"]  # both passed the parity check
         assert row["gemm_fraction"] > 0
     assert (tmp_path / "bench.png").stat().st_size > 1000
+
+
+def test_bench_int8_rows_check_accuracy_before_timing(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "fastbert", "bench", "--models", "minilm", "--dtypes", "int8", "--shapes", "1x128",
+         "--competitors", "fastbert,openvino,onnxruntime", "--rounds", "1", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "| minilm | int8 | 1x128 |" in out.stdout and "rel err vs transformers float32" in out.stdout
+    row = json.loads((tmp_path / "bench.json").read_text())["rows"][0]
+    assert set(row["ms"]) == {"fastbert", "openvino", "onnxruntime"}, row["skipped"]
+    # fastbert's per-token int8 is closer to float32 than either int8 anchor (measured 0.06 vs 0.10 and 0.19).
+    assert 0 < row["errors"]["fastbert"] < min(row["errors"]["openvino"], row["errors"]["onnxruntime"])
