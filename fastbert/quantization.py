@@ -70,10 +70,11 @@ def stack(linears) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
 _ENCODER_LINEAR = re.compile(r"(^|\.)encoder\.layer\.\d+\.(" + "|".join(map(re.escape, ENCODER_LINEARS)) + ")$")
 
 
-def quantize(model: nn.Module, mode: str = "dynamic") -> nn.Module:
-    """Quantize `model`'s encoder linears to int8, in place, for inference; returns `model`, in eval mode
-    with every parameter frozen (int8 weights have no gradient). mode "dynamic": activations are
-    quantized per token at run time, from each token's own range."""
+def quantize(model: nn.Module, mode: str = "dynamic", freeze: bool = True) -> nn.Module:
+    """Quantize `model`'s encoder linears to int8, in place, for inference; returns `model` in eval mode.
+    mode "dynamic": activations are quantized per token at run time, from each token's own range.
+    `freeze`: every remaining parameter stops requiring grad, so that calls outside torch.no_grad() work
+    (int8 weights have no gradient, and an int8 layer refuses inputs that need one)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     targets = [name for name, m in model.named_modules() if _ENCODER_LINEAR.search(name)]
@@ -90,7 +91,8 @@ def quantize(model: nn.Module, mode: str = "dynamic") -> nn.Module:
         setattr(parent, leaf, Int8Linear.from_linear(linear))
     model.clear_prepared_weights()
     model.config.extra["fastbert_quantization"] = {"bits": 8, "mode": mode}
-    model.requires_grad_(False)
+    if freeze:
+        model.requires_grad_(False)
     return model.eval()
 
 

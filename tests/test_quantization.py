@@ -118,3 +118,23 @@ def test_bad_arguments_are_named():
     model.requires_grad_(True)  # someone tries to train it
     with pytest.raises(ValueError, match="is for inference"):
         model(torch.randint(5, 500, (1, 4)))
+
+
+def test_optimize_sentence_transformer_int8(minilm):
+    st = pytest.importorskip("sentence_transformers")
+    skip_unless_runnable("quantized_dense", "cpu", torch.float32)
+    plain = st.SentenceTransformer(minilm_dir(), device="cpu")
+    optimized = fastbert.optimize(st.SentenceTransformer(minilm_dir(), device="cpu"), quantize="int8")
+    hf = optimized[0].auto_model
+    assert all(p.requires_grad for p in hf.parameters())  # the user's model is not frozen by optimize
+    sentences = SENTENCES[:64]
+    with dispatch.record() as calls:
+        ours = optimized.encode(sentences, convert_to_tensor=True, normalize_embeddings=True)
+    theirs = plain.encode(sentences, convert_to_tensor=True, normalize_embeddings=True)
+    assert_ran(calls, "quantized_dense", "cpu")
+    assert float((ours * theirs).sum(-1).min()) >= INT8.sentence_cosine
+    with pytest.raises(ValueError, match="quantize must be None or 'int8'"):
+        fastbert.optimize(plain, quantize="int4")
+    fastbert.optimize(plain)
+    with pytest.raises(ValueError, match="optimized without quantize"):
+        fastbert.optimize(plain, quantize="int8")

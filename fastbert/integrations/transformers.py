@@ -8,6 +8,8 @@ import torch
 
 from fastbert.config import BertConfig
 from fastbert.model import BertModel
+from fastbert.quantization import is_quantized
+from fastbert.quantization import quantize as fastbert_quantize
 
 # HF BertModel.forward arguments fastbert's encoder serves; anything else (inputs_embeds, cross
 # attention, caches) goes to transformers' own forward.
@@ -78,14 +80,27 @@ class OptimizedForward:
         return result if kwargs.get("return_dict", True) is not False else result.to_tuple()
 
 
-def optimize(model):
+def optimize(model, quantize: str | None = None):
     """Run a transformers BERT (BertModel, BertFor*, or a SentenceTransformer on BERT) on fastbert's
     kernels, in place: the encoder's forward is replaced, the weights are shared, not copied. Returns
-    `model`. Anything unsupported raises a clear error and leaves the model untouched."""
+    `model`. Anything unsupported raises a clear error and leaves the model untouched.
+
+    quantize="int8": the encoder's linears run as int8 copies (fastbert.quantize, dynamic per-token
+    activations), for inference only; transformers' own float weights stay in place (its forward still
+    serves what fastbert's does not), and are not updated into the int8 copies if they change later."""
+    if quantize not in (None, "int8"):
+        raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
     hf_bert = _hf_bert_of(model)
-    if getattr(hf_bert, "_fastbert_encoder", None) is not None:
+    ours = hf_bert.__dict__.get("_fastbert_encoder")
+    if ours is not None:
+        if quantize and not is_quantized(ours):
+            raise ValueError("this model was optimized without quantize: optimize a fresh copy with quantize='int8'")
         return model  # already optimized
     ours = _encoder_sharing(hf_bert)
+    if quantize:
+        # New int8 modules in fastbert's encoder; transformers' own stay float, and their parameters as they
+        # were (not frozen): run the model under torch.no_grad() or torch.inference_mode().
+        fastbert_quantize(ours, freeze=False)
     # Both outside the module tree (plain attributes): state_dict, parameters() and .to() stay HF's, and
     # the encoder's leaf modules are HF's own, so dtype / device moves and loads reach it.
     hf_bert.__dict__["_fastbert_encoder"] = ours
