@@ -28,6 +28,7 @@ TORCH_LIBRARY(fastbert_C, m) {
   // int8 GEMM companions (CPU): x [rows, k] -> u8 q, float32 scale [rows], int32 zero_point [rows]; and
   // out = act(scale * (acc - zero_point * wsum) + bias), activation 0 none, 1 gelu, 2 gelu_tanh.
   m.def("quantize_rows(Tensor x, Tensor(a!) q, Tensor(b!) scale, Tensor(c!) zero_point) -> ()");
+  m.def("quantize_tensor(Tensor x, float scale, int zero_point, Tensor(a!) q) -> ()");  // one scale for all rows
   m.def("dequantize_rows(Tensor acc, Tensor scale, Tensor zero_point, Tensor wsum, Tensor? bias, int activation, "
         "Tensor(a!) out) -> ()");
   // dequantize_rows, then quantize_rows of the result, without writing the float result.

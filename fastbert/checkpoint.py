@@ -88,7 +88,8 @@ def from_pretrained(cls, directory, dtype: torch.dtype | None = None, **kwargs):
     model = cls(config, **kwargs)
     quantized = config.extra.get("fastbert_quantization")
     if quantized:  # saved by a quantized model: its int8 weights and scales load as they were saved
-        quantization.quantize(model, quantized["mode"])
+        quantization.replace_linears(model, quantized["mode"])
+        model.requires_grad_(False)  # as quantize() leaves it
     state = read_state_dict(directory)
     mapped, ignored = map_state_dict(model, state)
     expected = model.state_dict()

@@ -99,10 +99,7 @@ class BertSelfAttention(nn.Module):
     def project(self, x):
         """q, k, v head-major from one GEMM: 3 x [B, heads, S, d] (or [T, heads, d] for x [T, H])."""
         if isinstance(self.query, Int8Linear):
-            linears = (self.query, self.key, self.value)
-            sources = tuple(t for m in linears for t in (m.weight, m.weight_scale, m.bias) if t is not None)
-            weight, scale, bias = self.prepared.get("qkv_int8", sources, lambda *_: quantization.stack(linears))
-            qkv = ops.quantized_dense(x, weight, scale, bias, prepared=self.prepared)
+            qkv = quantization.fused((self.query, self.key, self.value), x, self.prepared)
             return head_major(qkv, self.num_attention_heads)
         weight, bias = self.fused_qkv()  # [3H, H], [3H]
         return ops.qkv_projection(x, weight, bias, self.num_attention_heads, self.prepared)
@@ -171,9 +168,10 @@ class BertLayer(nn.Module):
 
     def forward(self, x, attention_mask=None, need_weights=False, packing=None):
         x, probs = self.attention(x, attention_mask, need_weights, packing)
-        # int8 FFN: the GELU's output goes to the second GEMM quantized, never as floats.
-        both_int8 = isinstance(self.intermediate.dense, Int8Linear) and isinstance(self.output.dense, Int8Linear)
-        return self.output(self.intermediate(x, quantize_output=both_int8), x), probs
+        # Dynamic int8 FFN: the GELU's output goes to the second GEMM quantized, never as floats.
+        rows = (isinstance(self.intermediate.dense, Int8Linear) and isinstance(self.output.dense, Int8Linear)
+                and self.output.dense.takes_quantized_rows)
+        return self.output(self.intermediate(x, quantize_output=rows), x), probs
 
 
 class BertEncoder(nn.Module):

@@ -1,7 +1,8 @@
 """int8 inference: `quantize(model)` turns every linear of the encoder (Q, K, V, attention output, FFN in
-and out) into an Int8Linear: int8 weights per output channel, activations quantized per token at run
-time (ops.quantized_dense). Embeddings, LayerNorm, softmax, attention, the pooler, the heads and the
-residual stream stay in the model's float dtype."""
+and out) into an Int8Linear: int8 weights per output channel, activations quantized at run time per
+token ("dynamic") or with one range per layer calibrated beforehand ("static"); ops.quantized_dense runs
+them. Embeddings, LayerNorm, softmax, attention, the pooler, the heads and the residual stream stay in
+the model's float dtype."""
 from __future__ import annotations
 
 import re
@@ -12,30 +13,66 @@ from torch import nn
 from fastbert import ops
 from fastbert.ops import reference
 
-MODES = ("dynamic",)
+MODES = ("dynamic", "static")
+OBSERVERS = ("minmax", "percentile")
+PERCENTILE = 99.99  # the "percentile" observer's range: this percentile of each batch's values (and 100 - it)
+PERCENTILE_SAMPLE = 1 << 20  # values drawn per batch for it (torch.quantile takes at most 16M)
 # The linears quantize() replaces, as paths below each encoder layer.
 ENCODER_LINEARS = ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
                    "intermediate.dense", "output.dense")
+_ENCODER_LINEAR = re.compile(r"(^|\.)encoder\.layer\.\d+\.(" + "|".join(map(re.escape, ENCODER_LINEARS)) + ")$")
+
+
+class RangeObserver:
+    """The range of a layer's inputs over calibration batches: overall min / max, or the mean over
+    batches of a high and a low percentile (outliers of one batch do not set the range)."""
+
+    def __init__(self, kind: str):
+        self.kind, self.lows, self.highs = kind, [], []
+
+    def __call__(self, x: torch.Tensor) -> None:
+        values = x.detach().float().reshape(-1)
+        if self.kind == "minmax":
+            self.lows.append(float(values.min()))
+            self.highs.append(float(values.max()))
+            return
+        if values.numel() > PERCENTILE_SAMPLE:
+            g = torch.Generator(device=values.device).manual_seed(len(self.lows))
+            values = values[torch.randint(0, values.numel(), (PERCENTILE_SAMPLE,), generator=g, device=values.device)]
+        q = torch.quantile(values, torch.tensor([1 - PERCENTILE / 100, PERCENTILE / 100], device=values.device))
+        self.lows.append(float(q[0]))
+        self.highs.append(float(q[1]))
+
+    def range(self) -> tuple[float, float]:
+        if not self.lows:
+            raise ValueError("no calibration batch reached this layer")
+        if self.kind == "minmax":
+            return min(self.lows), max(self.highs)
+        return sum(self.lows) / len(self.lows), sum(self.highs) / len(self.highs)
 
 
 class Int8Linear(nn.Module):
-    """A linear layer with int8 weights [out, in] and float32 per-channel scales; bias float32. Its
-    tensors are buffers (no gradients); `.to(dtype)` leaves them float32 (a bfloat16 scale would put up to
-    0.4% error on a whole output channel): a cast model computes its activations in the new dtype."""
+    """A linear layer with int8 weights [out, in] and float32 per-channel scales; bias float32; for static
+    quantization also the calibrated input scale and zero point. Its tensors are buffers (no gradients);
+    `.to(dtype)` leaves them as they are (a bfloat16 scale would put up to 0.4% error on a whole output
+    channel): a cast model computes its activations in the new dtype."""
 
-    _FLOAT32 = ("weight_scale", "bias")
+    _KEPT = ("weight_scale", "bias", "input_scale", "input_zero_point")
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, static: bool = False):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
         self.register_buffer("weight_scale", torch.ones(out_features))
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
+        self.register_buffer("input_scale", torch.ones(()) if static else None)
+        self.register_buffer("input_zero_point", torch.zeros((), dtype=torch.int32) if static else None)
         self.prepared = ops.PreparedWeights()  # oneDNN's packed copy of `weight`
+        self.observer: RangeObserver | None = None  # set while calibrating
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
-        module = cls(linear.in_features, linear.out_features, linear.bias is not None)
+    def from_linear(cls, linear: nn.Linear, static: bool = False) -> "Int8Linear":
+        module = cls(linear.in_features, linear.out_features, linear.bias is not None, static)
         weight, scale = reference.quantize_weight(linear.weight)
         module.weight.copy_(weight)
         module.weight_scale.copy_(scale)
@@ -43,13 +80,24 @@ class Int8Linear(nn.Module):
             module.bias.copy_(linear.bias.detach().float())
         return module.to(linear.weight.device)
 
+    @property
+    def static(self) -> bool:
+        return self.input_scale is not None
+
+    @property
+    def takes_quantized_rows(self) -> bool:
+        """Whether its input may come as ops.QuantizedRows (dynamic, not calibrating)."""
+        return not self.static and self.observer is None
+
     def forward(self, x, activation: str = "none", approximate: str = "none", quantize_output: bool = False):
+        if self.observer is not None:
+            self.observer(x)
         return ops.quantized_dense(x, self.weight, self.weight_scale, self.bias, activation, approximate, self.prepared,
-                                   quantize_output)
+                                   quantize_output and not self.static, self.input_scale, self.input_zero_point)
 
     def _apply(self, fn, *args, **kwargs):
         self.prepared.clear()
-        kept = {name: getattr(self, name) for name in self._FLOAT32}
+        kept = {name: getattr(self, name) for name in self._KEPT}
         super()._apply(fn, *args, **kwargs)
         for name, t in kept.items():  # moved with the module, never cast: a cast would round them
             if t is not None:
@@ -57,43 +105,102 @@ class Int8Linear(nn.Module):
         return self
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"{'static' if self.static else 'dynamic'}")
 
 
-def stack(linears) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Int8Linears of one input stacked into one GEMM's weight, scale and bias (the fused QKV)."""
-    biases = [m.bias for m in linears]
-    bias = None if any(b is None for b in biases) else torch.cat(biases)
-    return torch.cat([m.weight for m in linears]), torch.cat([m.weight_scale for m in linears]), bias
+def fused(linears, x, prepared: ops.PreparedWeights):
+    """Int8Linears of one input (Q, K, V) as one GEMM on their stacked weights, kept in `prepared` (their
+    owner's); [..., sum of out_features]. Static layers of one input share its calibrated range."""
+    for m in linears:
+        if m.observer is not None:
+            m.observer(x)
+    sources = tuple(t for m in linears for t in (m.weight, m.weight_scale, m.bias) if t is not None)
+
+    def stack(*_):
+        biases = [m.bias for m in linears]
+        bias = None if any(b is None for b in biases) else torch.cat(biases)
+        return torch.cat([m.weight for m in linears]), torch.cat([m.weight_scale for m in linears]), bias
+
+    weight, scale, bias = prepared.get("qkv_int8", sources, stack)
+    first = linears[0]
+    return ops.quantized_dense(x, weight, scale, bias, prepared=prepared, input_scale=first.input_scale,
+                               input_zero_point=first.input_zero_point)
 
 
-_ENCODER_LINEAR = re.compile(r"(^|\.)encoder\.layer\.\d+\.(" + "|".join(map(re.escape, ENCODER_LINEARS)) + ")$")
-
-
-def quantize(model: nn.Module, mode: str = "dynamic", freeze: bool = True) -> nn.Module:
-    """Quantize `model`'s encoder linears to int8, in place, for inference; returns `model` in eval mode.
-    mode "dynamic": activations are quantized per token at run time, from each token's own range.
-    `freeze`: every remaining parameter stops requiring grad, so that calls outside torch.no_grad() work
-    (int8 weights have no gradient, and an int8 layer refuses inputs that need one)."""
+def replace_linears(model: nn.Module, mode: str = "dynamic") -> list[Int8Linear]:
+    """Every encoder linear of `model` replaced by an Int8Linear of its weights (or an empty one where
+    the linear is on the meta device, to load a saved int8 model into); returns them."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     targets = [name for name, m in model.named_modules() if _ENCODER_LINEAR.search(name)]
     if not targets or not hasattr(model, "clear_prepared_weights"):
         raise TypeError(f"quantize() needs a fastbert BertModel or BertFor* model, got {type(model).__name__} "
                         "(for a transformers or sentence-transformers model: fastbert.optimize(model, quantize='int8'))")
+    made = []
     for name in targets:
         parent_name, _, leaf = name.rpartition(".")
         parent, linear = model.get_submodule(parent_name), model.get_submodule(name)
         if isinstance(linear, Int8Linear):
-            continue  # already quantized
+            raise ValueError(f"quantize(): {name} is quantized already")
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"quantize(): {name} is a {type(linear).__name__}, not an nn.Linear")
-        setattr(parent, leaf, Int8Linear.from_linear(linear))
+        made.append(Int8Linear.from_linear(linear, static=mode == "static"))
+        setattr(parent, leaf, made[-1])
     model.clear_prepared_weights()
     model.config.extra["fastbert_quantization"] = {"bits": 8, "mode": mode}
+    return made
+
+
+def _run(model, batch) -> None:
+    if isinstance(batch, dict):
+        model(**batch)
+    elif isinstance(batch, (tuple, list)):
+        model(*batch)
+    else:
+        model(batch)
+
+
+def quantize(model: nn.Module, mode: str = "dynamic", calibration=None, observer: str = "minmax",
+             freeze: bool = True) -> nn.Module:
+    """Quantize `model`'s encoder linears to int8, in place, for inference; returns `model` in eval mode.
+
+    mode "dynamic": activations are quantized per token at run time, from each token's own range (the
+    accurate choice: no calibration). mode "static": one range per layer input, measured by running
+    `calibration` (an iterable of batches: input_ids tensors, (input_ids, attention_mask) tuples or
+    dicts of the model's keyword arguments) through the model, with `observer` "minmax" or "percentile";
+    then bias and GELU run inside oneDNN's int8 GEMM. `freeze`: every remaining parameter stops requiring
+    grad, so that calls outside torch.no_grad() work (int8 weights have no gradient, and an int8 layer
+    refuses inputs that need one)."""
+    if mode == "static" and calibration is None:
+        raise ValueError("mode='static' needs calibration batches (calibration=[input_ids, ...])")
+    if mode == "dynamic" and calibration is not None:
+        raise ValueError("calibration is for mode='static'; dynamic quantization measures each token itself")
+    if observer not in OBSERVERS:
+        raise ValueError(f"observer must be one of {OBSERVERS}, got {observer!r}")
+    layers = replace_linears(model, mode)
+    model.eval()
+    if mode == "static":
+        # Calibrate on the dynamic int8 model: each layer sees the inputs the quantized layers before it give.
+        scales = [(m.input_scale, m.input_zero_point) for m in layers]
+        for m in layers:
+            m.input_scale = m.input_zero_point = None
+            m.observer = RangeObserver(observer)
+        try:
+            with torch.inference_mode():
+                for batch in calibration:
+                    _run(model, batch)
+            for m, (scale, zero_point) in zip(layers, scales):
+                lo, hi = m.observer.range()
+                scale[()], zero_point[()] = reference.range_to_scale(lo, hi)
+                m.input_scale, m.input_zero_point = scale, zero_point
+        finally:
+            for m in layers:
+                m.observer = None
+        model.clear_prepared_weights()
     if freeze:
         model.requires_grad_(False)
-    return model.eval()
+    return model
 
 
 def is_quantized(model: nn.Module) -> bool:

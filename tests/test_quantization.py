@@ -138,3 +138,39 @@ def test_optimize_sentence_transformer_int8(minilm):
     fastbert.optimize(plain)
     with pytest.raises(ValueError, match="optimized without quantize"):
         fastbert.optimize(plain, quantize="int8")
+
+
+def test_minilm_static_int8_is_calibrated_and_close(minilm):
+    skip_unless_runnable("quantized_dense", "cpu", torch.float32)
+    tokenizer, model = minilm
+    batch = tokenizer(SENTENCES[:96], padding=True, return_tensors="pt")
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    calibration = [(ids[i::6][:8], mask[i::6][:8]) for i in range(3)]
+    quantized = fastbert.quantize(copy.deepcopy(model), "static", calibration=calibration)
+    layer = quantized.encoder.layer[2].intermediate.dense
+    assert layer.static and float(layer.input_scale) > 0 and layer.observer is None
+    with torch.inference_mode():
+        ref = model(ids, attention_mask=mask).last_hidden_state
+        with dispatch.record() as calls:
+            out = quantized(ids, attention_mask=mask).last_hidden_state
+    assert_ran(calls, "quantized_dense", "cpu")
+    real = mask.bool()
+    err = rel_err(out[real].double(), ref[real].double())
+    assert err <= INT8.checkpoint_rel_err, f"static int8 rel err {err:.4f}"
+
+
+def test_static_needs_calibration_and_saves_its_scales(tmp_path):
+    with pytest.raises(ValueError, match="needs calibration"):
+        fastbert.quantize(fastbert.BertModel(small_config()), "static")
+    with pytest.raises(ValueError, match="calibration is for mode='static'"):
+        fastbert.quantize(fastbert.BertModel(small_config()), calibration=[torch.ones(1, 3, dtype=torch.long)])
+    model = fastbert.quantize(fastbert.BertModel(small_config()), "static",
+                              calibration=[torch.randint(5, 500, (2, 16)) for _ in range(2)], observer="percentile")
+    model.save_pretrained(tmp_path)
+    loaded = fastbert.BertModel.from_pretrained(tmp_path)
+    assert loaded.encoder.layer[0].output.dense.static
+    for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    ids = torch.randint(5, 500, (2, 11))
+    with torch.no_grad():
+        assert torch.equal(model(ids).last_hidden_state, loaded(ids).last_hidden_state)

@@ -66,6 +66,36 @@ def test_quantized_rows_input_equals_the_float_input(dtype):
         assert torch.equal(ops.quantized_dense(rows, weight, scale, b, "gelu"), ops.quantized_dense(x, weight, scale, b, "gelu"))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape,n,activation,approximate", SHAPES, ids=str)
+def test_static_matches_reference_on_the_same_quantized_input(shape, n, activation, approximate, dtype):
+    skip_unless_runnable("quantized_dense", "cpu", dtype)
+    x = (torch.randn(*shape) * 2 + 0.5).to(dtype)
+    lo, hi = float(x.min()), float(x.max())
+    scale, zero_point = reference.range_to_scale(lo * 0.8, hi * 0.8)  # a calibrated range that clips a little
+    weight, w_scale, b = layer(n, shape[-1])
+    with torch.no_grad(), dispatch.record() as calls:
+        out = ops.quantized_dense(x, weight, w_scale, b, activation, approximate, input_scale=scale,
+                                  input_zero_point=zero_point)
+    assert_ran(calls, "quantized_dense", "cpu")
+    assert out.dtype == dtype and out.shape == (*shape[:-1], n)
+    args = (weight, w_scale, b.double(), activation, approximate, False, scale, zero_point)
+    truth = reference.quantized_dense(x.double(), *args)
+    naive = reference.quantized_dense(x, weight, w_scale, b, activation, approximate, False, scale, zero_point)
+    assert_close(out, truth, dtype, "matmul", naive=naive)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_quantize_tensor_gives_the_reference_bytes(dtype):
+    skip_unless_runnable("quantized_dense", "cpu", dtype)
+    x = rows_with_edges(300, dtype)
+    scale, zero_point = reference.range_to_scale(-4.0, 6.0)
+    q = torch.full(x.shape, 7, dtype=torch.uint8)
+    torch.ops.fastbert_C.quantize_tensor(x, float(scale), int(zero_point), q)
+    assert torch.equal(q, reference.quantize_tensor(x, scale, zero_point))
+    assert int(q.max()) == 255 and int(q.min()) == 0  # the outlier row clips
+
+
 def rows_with_edges(k, dtype):
     x = torch.randn(9, k) * 3
     x[1] = 0  # all zero: scale 1
@@ -111,6 +141,11 @@ def test_quantize_weight_is_symmetric_per_channel():
     (lambda w, s: ops.quantized_dense(torch.randn(2, 4), w, s, activation="relu"), "activation must be one of"),
     (lambda w, s: ops.quantized_dense(torch.randn(2, 4, requires_grad=True), w, s), "is for inference"),
     (lambda w, s: ops.quantized_dense(torch.randint(0, 5, (2, 4)), w, s), "x must be a floating-point tensor"),
+    (lambda w, s: ops.quantized_dense(torch.randn(2, 4), w, s, input_scale=torch.tensor(0.1)), "come together"),
+    (lambda w, s: ops.quantized_dense(torch.randn(2, 4), w, s, input_scale=torch.tensor(-0.1),
+                                      input_zero_point=torch.tensor(3, dtype=torch.int32)), "positive float32"),
+    (lambda w, s: ops.quantized_dense(torch.randn(2, 4), w, s, input_scale=torch.tensor(0.1),
+                                      input_zero_point=torch.tensor(300, dtype=torch.int32)), "in \\[0, 255\\]"),
     (lambda w, s: ops.quantized_dense(ops.QuantizedRows(torch.zeros(2, 4, dtype=torch.int8), torch.ones(2),
                                                         torch.zeros(2, dtype=torch.int32), torch.float32), w, s),
      "QuantizedRows.values must be 2-D to 4-D uint8"),

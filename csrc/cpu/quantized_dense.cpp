@@ -4,6 +4,7 @@
 // scale per tensor, so the GEMM runs with scale 1 and zero point 0 and the epilogue here applies each
 // row's scale and zero-point correction, then the bias and GELU.
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -18,6 +19,22 @@ namespace {
 
 inline float reduce_min(const VecF& v) {
   return at::vec::vec_reduce_all<float>([](const VecF& a, const VecF& b) { return at::vec::minimum(a, b); }, v);
+}
+
+// q = clamp(round(x * inv) + z, 0, 255) for k values.
+template <typename T>
+void quantize_values(const T* x, int64_t k, float inv, float z, uint8_t* q) {
+  const VecF vinv(inv), vz(z), zero(0.f), top(255.f);
+  float buf[kBlock];
+  for_blocks(k, [&](int64_t j, int64_t m) {
+    VecF a, b;
+    load2(x + j, m, a, b);
+    a = at::vec::clamp((a * vinv).round() + vz, zero, top);
+    b = at::vec::clamp((b * vinv).round() + vz, zero, top);
+    a.store(buf);
+    b.store(buf + kHalf);
+    for (int64_t i = 0; i < m; ++i) q[j + i] = static_cast<uint8_t>(buf[i]);
+  });
 }
 
 // One row: lo = min(0, x), hi = max(0, x), scale = (hi - lo) / 255, zero point = round(-lo / scale),
@@ -39,17 +56,7 @@ void quantize_row(const T* x, int64_t k, uint8_t* q, float* scale, int32_t* zero
   const float z = std::min(std::max(std::nearbyint(-l * inv), 0.f), 255.f);
   *scale = s;
   *zero_point = static_cast<int32_t>(z);
-  const VecF vinv(inv), vz(z), zero(0.f), top(255.f);
-  float buf[kBlock];
-  for_blocks(k, [&](int64_t j, int64_t m) {
-    VecF a, b;
-    load2(x + j, m, a, b);
-    a = at::vec::clamp((a * vinv).round() + vz, zero, top);
-    b = at::vec::clamp((b * vinv).round() + vz, zero, top);
-    a.store(buf);
-    b.store(buf + kHalf);
-    for (int64_t i = 0; i < m; ++i) q[j + i] = static_cast<uint8_t>(buf[i]);
-  });
+  quantize_values(x, k, inv, z, q);
 }
 
 template <typename T>
@@ -125,6 +132,30 @@ void quantize_rows(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   }
 }
 
+// Static quantization: every row with the one calibrated scale and zero point.
+void quantize_tensor(const at::Tensor& x, double scale, int64_t zero_point, const at::Tensor& q) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "quantize_tensor: x must be a contiguous [rows, k] tensor");
+  TORCH_CHECK(q.sizes() == x.sizes() && q.is_contiguous() && q.scalar_type() == at::kByte,
+              "quantize_tensor: q must be uint8 shaped like x");
+  TORCH_CHECK(scale > 0 && zero_point >= 0 && zero_point <= 255, "quantize_tensor: scale must be > 0, zero_point in [0, 255]");
+  const int64_t rows = x.size(0), k = x.size(1);
+  const float inv = 1.f / static_cast<float>(scale), z = static_cast<float>(zero_point);
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(k, 1));
+  auto* qp = q.data_ptr<uint8_t>();
+  AT_DISPATCH_SWITCH(x.scalar_type(), "quantize_tensor",
+      AT_DISPATCH_CASE(at::kFloat, [&] {
+        const float* xp = x.data_ptr<float>();
+        at::parallel_for(0, rows, grain, [&](int64_t b, int64_t e) {
+          for (int64_t r = b; r < e; ++r) quantize_values(xp + r * k, k, inv, z, qp + r * k);
+        });
+      }) AT_DISPATCH_CASE(at::kBFloat16, [&] {
+        const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+        at::parallel_for(0, rows, grain, [&](int64_t b, int64_t e) {
+          for (int64_t r = b; r < e; ++r) quantize_values(xp + r * k, k, inv, z, qp + r * k);
+        });
+      }));
+}
+
 // The epilogue's inputs checked; returns the bias pointer (nullptr without one).
 const float* check_epilogue(const at::Tensor& acc, const at::Tensor& scale, const at::Tensor& zero_point,
                             const at::Tensor& wsum, const std::optional<at::Tensor>& bias, int64_t activation) {
@@ -179,6 +210,7 @@ void requantize_rows(const at::Tensor& acc, const at::Tensor& scale, const at::T
 
 TORCH_LIBRARY_IMPL(fastbert_C, CPU, m) {
   m.impl("quantize_rows", &fastbert::quantize_rows);
+  m.impl("quantize_tensor", &fastbert::quantize_tensor);
   m.impl("dequantize_rows", &fastbert::dequantize_rows);
   m.impl("requantize_rows", &fastbert::requantize_rows);
 }

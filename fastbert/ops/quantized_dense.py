@@ -16,12 +16,15 @@ from fastbert.ops.reference import QuantizedRows
 
 def quantized_dense(x, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
                     activation: str = "none", approximate: str = "none", prepared: PreparedWeights | None = None,
-                    quantize_output: bool = False):
+                    quantize_output: bool = False, input_scale: torch.Tensor | None = None,
+                    input_zero_point: torch.Tensor | None = None):
     """x [..., K] float32 or bfloat16, or QuantizedRows of it; weight int8 [N, K] and weight_scale float32
     [N] (weight ~= values x scale, as reference.quantize_weight makes them); bias [N] or None -> [..., N] in
     x's dtype, or with `quantize_output` as QuantizedRows, the next quantized_dense's input (the float
     result is never written). activation and approximate as for dense; `prepared`: the owner's
-    PreparedWeights, where kernels keep the packed weight."""
+    PreparedWeights, where kernels keep the packed weight. `input_scale` (float32, 0-dim) and
+    `input_zero_point` (int32, 0-dim): static quantization, x quantized with this calibrated range
+    instead of each row's own (then bias and GELU run inside oneDNN's GEMM)."""
     if isinstance(x, QuantizedRows):
         _check_rows(x)
         tensors = (x.values, weight, x.scale)
@@ -39,11 +42,20 @@ def quantized_dense(x, weight: torch.Tensor, weight_scale: torch.Tensor, bias: t
         if t is not None:
             _checks.same_device(name, t, "x", tensors[0])
     epilogue = linear_checks(tensors[0], weight, bias, activation, approximate, prepared)
+    if (input_scale is None) != (input_zero_point is None):
+        raise ValueError("input_scale and input_zero_point come together (static quantization) or not at all")
+    if input_scale is not None:
+        if isinstance(x, QuantizedRows) or quantize_output:
+            raise ValueError("static quantization (input_scale) takes float x and returns floats")
+        if input_scale.dtype != torch.float32 or input_scale.dim() != 0 or not float(input_scale) > 0:
+            raise ValueError(f"input_scale must be a positive float32 0-dim tensor, got {input_scale!r}")
+        if input_zero_point.dtype != torch.int32 or input_zero_point.dim() != 0 or not 0 <= int(input_zero_point) <= 255:
+            raise ValueError(f"input_zero_point must be an int32 0-dim tensor in [0, 255], got {input_zero_point!r}")
     if needs_grad(tensors[0], bias):
         raise ValueError("quantized_dense is for inference: int8 weights have no gradient (run under "
                          "torch.no_grad() or torch.inference_mode(), or train the float model and quantize it after)")
     return dispatch.call("quantized_dense", {"tensors": tensors}, x, weight, weight_scale, bias, epilogue, prepared,
-                         bool(quantize_output))
+                         bool(quantize_output), input_scale, input_zero_point)
 
 
 def _check_rows(x: QuantizedRows) -> None:
@@ -60,9 +72,10 @@ def _check_rows(x: QuantizedRows) -> None:
 
 
 @dispatch.register("quantized_dense", "reference", dispatch.Support(("cpu", "cuda"), dispatch.FLOATS))
-def _reference(x, weight, weight_scale, bias, epilogue, prepared, quantize_output):
+def _reference(x, weight, weight_scale, bias, epilogue, prepared, quantize_output, input_scale, input_zero_point):
     activation, approximate = next(k for k, v in EPILOGUES.items() if v == epilogue)
-    return reference.quantized_dense(x, weight, weight_scale, bias, activation, approximate, quantize_output)
+    return reference.quantized_dense(x, weight, weight_scale, bias, activation, approximate, quantize_output,
+                                     input_scale, input_zero_point)
 
 
 # ------------------------------------- cpu: oneDNN's u8 x s8 GEMM between fastbert._C's quantize and epilogue
@@ -74,6 +87,12 @@ def _packed(weight, rows_hint):
     return torch.ops.onednn.qlinear_prepack(weight.contiguous(), [max(rows_hint, 1), weight.shape[1]])
 
 
+def _prepared_int8(prepared, weight, rows):
+    if prepared is None:
+        return _packed(weight, rows)
+    return prepared.get("onednn_int8", (weight,), lambda w: _packed(w, rows))
+
+
 def _weight_sums(weight, weight_scale):
     """weight_scale x each output channel's sum of int8 values: the zero point's share of the GEMM."""
     return weight.sum(1, dtype=torch.int32).float() * weight_scale
@@ -81,7 +100,7 @@ def _weight_sums(weight, weight_scale):
 
 @dispatch.register("quantized_dense", "cpu", dispatch.Support(("cpu",), (torch.float32, torch.bfloat16)),
                    extra_reasons=lambda facts: _onednn.missing("onednn", ("qlinear_prepack", "qlinear_pointwise")))
-def _cpu(x, weight, weight_scale, bias, epilogue, prepared, quantize_output):
+def _cpu(x, weight, weight_scale, bias, epilogue, prepared, quantize_output, input_scale, input_zero_point):
     n, k = weight.shape
     if isinstance(x, QuantizedRows):
         lead, dtype, device = x.values.shape[:-1], x.dtype, x.values.device
@@ -90,15 +109,15 @@ def _cpu(x, weight, weight_scale, bias, epilogue, prepared, quantize_output):
         lead, dtype, device = x.shape[:-1], x.dtype, x.device
         x2d = x.reshape(-1, k).contiguous()
         q = _alloc.empty(x2d.shape, dtype=torch.uint8, device=device)
+        if input_scale is not None:
+            return _static(x2d, q, lead, weight, weight_scale, bias, epilogue, prepared, input_scale, input_zero_point)
         scale = _alloc.empty((x2d.shape[0],), dtype=torch.float32, device=device)
         zero_point = _alloc.empty((x2d.shape[0],), dtype=torch.int32, device=device)
         torch.ops.fastbert_C.quantize_rows(x2d, q, scale, zero_point)
     m = q.shape[0]
-    if prepared is None:
-        packed, wsum = _packed(weight, m), _weight_sums(weight, weight_scale)
-    else:
-        packed = prepared.get("onednn_int8", (weight,), lambda w: _packed(w, m))
-        wsum = prepared.get("int8_sums", (weight, weight_scale), _weight_sums)
+    packed = _prepared_int8(prepared, weight, m)
+    wsum = _weight_sums(weight, weight_scale) if prepared is None else prepared.get(
+        "int8_sums", (weight, weight_scale), _weight_sums)
     # Scale 1, zero point 0 for x: the GEMM returns weight_scale x (q @ weight^T); rows are scaled after.
     zeros = torch.zeros(n, dtype=torch.int64)
     acc = torch.ops.onednn.qlinear_pointwise(q, 1.0, 0, packed, weight_scale, zeros, None, 1.0, 0, torch.float32,
@@ -113,4 +132,17 @@ def _cpu(x, weight, weight_scale, bias, epilogue, prepared, quantize_output):
         return out._replace(values=out.values.view(*lead, n))
     out = _alloc.empty((m, n), dtype=dtype, device=device)
     torch.ops.fastbert_C.dequantize_rows(acc, scale, zero_point, wsum, bias, code, out)
+    return out.view(*lead, n)
+
+
+def _static(x2d, q, lead, weight, weight_scale, bias, epilogue, prepared, input_scale, input_zero_point):
+    """One calibrated scale for x: oneDNN applies it, the zero point, bias and GELU inside the GEMM."""
+    scale, zero_point = float(input_scale), int(input_zero_point)
+    torch.ops.fastbert_C.quantize_tensor(x2d, scale, zero_point, q)
+    n = weight.shape[0]
+    post, scalars, algorithm = _onednn.POST_OPS[epilogue]
+    out = torch.ops.onednn.qlinear_pointwise(
+        q, scale, zero_point, _prepared_int8(prepared, weight, q.shape[0]), weight_scale,
+        torch.zeros(n, dtype=torch.int64), None if bias is None else bias.float().contiguous(), 1.0, 0, x2d.dtype,
+        post, scalars, algorithm)
     return out.view(*lead, n)

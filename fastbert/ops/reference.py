@@ -55,6 +55,21 @@ def quantize_rows(x):
     return q.to(torch.uint8), scale, zero_point.to(torch.int32)
 
 
+def quantize_tensor(x, scale, zero_point):
+    """Static quantization: x [M, K] -> uint8 with one calibrated scale (float32, 0-dim) and zero point."""
+    inv = 1 / scale.float()
+    return (torch.round(x.float() * inv) + int(zero_point)).clamp(0, 255).to(torch.uint8)
+
+
+def range_to_scale(lo, hi):
+    """The uint8 scale (float32) and zero point (int32) of a calibrated range [lo, hi], widened to include 0,
+    as quantize_rows derives them from a row's own range."""
+    lo, hi = torch.as_tensor(lo, dtype=torch.float32).clamp(max=0), torch.as_tensor(hi, dtype=torch.float32).clamp(min=0)
+    scale = (hi - lo) / 255
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return scale, torch.round(-lo * (1 / scale)).clamp(0, 255).to(torch.int32)
+
+
 class QuantizedRows(NamedTuple):
     """Activations quantized per row, as quantize_rows makes them: x ~= (values - zero_point) x scale, row by
     row. `values` keeps x's shape; `dtype` is the float dtype they stand for."""
@@ -70,13 +85,19 @@ class QuantizedRows(NamedTuple):
         return x.reshape(self.values.shape)
 
 
-def quantized_dense(x, weight, weight_scale, bias=None, activation="none", approximate="none", quantize_output=False):
+def quantized_dense(x, weight, weight_scale, bias=None, activation="none", approximate="none", quantize_output=False,
+                    input_scale=None, input_zero_point=None):
     """dense with int8 weights ([N, K] values and float32 scale [N]) on x quantized per row by
-    quantize_rows (or given as QuantizedRows); the products summed in x's dtype (float64 for the truth).
-    The result in x's dtype, or, with quantize_output, as QuantizedRows of it."""
+    quantize_rows (or given as QuantizedRows), or with a calibrated `input_scale` and `input_zero_point`
+    by quantize_tensor; the products summed in x's dtype (float64 for the truth). The result in x's
+    dtype, or, with quantize_output, as QuantizedRows of it."""
     if isinstance(x, QuantizedRows):
         shape, dt = x.values.shape, x.dtype
         q, scale, zero_point = x.values.reshape(-1, shape[-1]), x.scale, x.zero_point
+    elif input_scale is not None:
+        shape, dt = x.shape, x.dtype
+        q = quantize_tensor(x.reshape(-1, shape[-1]), input_scale, input_zero_point)
+        scale, zero_point = input_scale.float().expand(q.shape[0]), input_zero_point.int().expand(q.shape[0])
     else:
         shape, dt = x.shape, x.dtype
         q, scale, zero_point = quantize_rows(x.reshape(-1, shape[-1]))
