@@ -4,6 +4,9 @@
 dtype."""
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 
 from fastbert import dispatch
@@ -118,21 +121,55 @@ def _cpu(x, weight, weight_scale, bias, epilogue, prepared, quantize_output, inp
     packed = _prepared_int8(prepared, weight, m)
     wsum = _weight_sums(weight, weight_scale) if prepared is None else prepared.get(
         "int8_sums", (weight, weight_scale), _weight_sums)
-    # Scale 1, zero point 0 for x: the GEMM returns weight_scale x (q @ weight^T); rows are scaled after.
-    zeros = torch.zeros(n, dtype=torch.int64)
-    acc = torch.ops.onednn.qlinear_pointwise(q, 1.0, 0, packed, weight_scale, zeros, None, 1.0, 0, torch.float32,
-                                             "none", [], "")
     bias = None if bias is None else bias.float().contiguous()
     code = _ACTIVATION_CODES[epilogue]
     if quantize_output:
         out = QuantizedRows(_alloc.empty((m, n), dtype=torch.uint8, device=device),
                             _alloc.empty((m,), dtype=torch.float32, device=device),
                             _alloc.empty((m,), dtype=torch.int32, device=device), dtype)
-        torch.ops.fastbert_C.requantize_rows(acc, scale, zero_point, wsum, bias, code, *out[:3])
+    else:
+        out = _alloc.empty((m, n), dtype=dtype, device=device)
+    zeros = torch.zeros(n, dtype=torch.int64)
+    # Blocks of rows, so that the GEMM's float32 block is still in cache when the epilogue reads it.
+    step = rows_per_block(n)
+    for r0 in range(0, m, step):
+        r1 = min(m, r0 + step)
+        # Scale 1, zero point 0 for x: the GEMM returns weight_scale x (q @ weight^T); rows are scaled after.
+        acc = torch.ops.onednn.qlinear_pointwise(q[r0:r1], 1.0, 0, packed, weight_scale, zeros, None, 1.0, 0,
+                                                 torch.float32, "none", [], "")
+        rows = (acc, scale[r0:r1], zero_point[r0:r1], wsum, bias, code)
+        if quantize_output:
+            torch.ops.fastbert_C.requantize_rows(*rows, out.values[r0:r1], out.scale[r0:r1], out.zero_point[r0:r1])
+        else:
+            torch.ops.fastbert_C.dequantize_rows(*rows, out[r0:r1])
+    if quantize_output:
         return out._replace(values=out.values.view(*lead, n))
-    out = _alloc.empty((m, n), dtype=dtype, device=device)
-    torch.ops.fastbert_C.dequantize_rows(acc, scale, zero_point, wsum, bias, code, out)
     return out.view(*lead, n)
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_bytes() -> int:
+    """Twice one core's L2 (from sysfs; 2 MiB where it cannot be read): what a GEMM block may fill. Smaller
+    blocks leave oneDNN too few rows to be fast; whole GEMMs spill to memory (benchmarks/RESULTS.md)."""
+    try:
+        for index in sorted(os.listdir(_CACHES)):
+            with open(os.path.join(_CACHES, index, "level")) as f:
+                if f.read().strip() != "2":
+                    continue
+            with open(os.path.join(_CACHES, index, "size")) as f:
+                size = f.read().strip().upper()
+            return int(size.rstrip("KM")) * (1 << 20 if size.endswith("M") else 1 << 10) * 2
+    except (OSError, ValueError):
+        pass
+    return 2 << 20
+
+
+_CACHES = "/sys/devices/system/cpu/cpu0/cache"
+
+
+def rows_per_block(n: int) -> int:
+    """Rows of a float32 [rows, n] GEMM block that fit _cache_bytes, in multiples of 32 (at least 32)."""
+    return max(32, _cache_bytes() // (4 * n) // 32 * 32)
 
 
 def _static(x2d, q, lead, weight, weight_scale, bias, epilogue, prepared, input_scale, input_zero_point):
