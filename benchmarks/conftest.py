@@ -1,5 +1,5 @@
-"""Kernel suites: each fastbert backend that can run here, side by side with the naive reference and
-torch's built-in, in one pytest-benchmark run (medians; compare within a group).
+"""Kernel suites (bench_<op>.py, one per op): each fastbert backend that can run here, side by side with the
+naive reference and torch's built-in, in one pytest-benchmark run (medians; compare within a group).
 
     .venv/bin/python -m pytest benchmarks -q --benchmark-columns=median,iqr,rounds --benchmark-group-by=group
 """

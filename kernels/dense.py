@@ -1,4 +1,5 @@
-"""Triton GEMM with a fused epilogue: y = act(x @ w.T + b), for `dense` and `qkv_projection`.
+"""Triton GEMM with a fused epilogue: y = act(x @ w.T + b), for `dense`, and through gemm_epilogue for
+`qkv_projection` (kernels/qkv_projection.py).
 
 The epilogue adds the bias, applies GELU (erf or tanh form) and stores each output column where the
 caller's layout wants it: row-major [M, N] for dense, or straight into head-major q, k, v buffers for
@@ -64,8 +65,11 @@ def _blocks(x):
     return 32, 32, 32, 1  # the interpreter: small tiles keep it quick
 
 
-def _launch(x2d, weight, bias, out, activation, rows_per_group, stride_group, stride_row,
-            cols_per_part, cols_per_head, stride_part, stride_head):
+def gemm_epilogue(x2d, weight, bias, out, activation, rows_per_group, stride_group, stride_row,
+                  cols_per_part, cols_per_head, stride_part, stride_head):
+    """act(x2d [M, K] @ weight [N, K].T + bias) into `out`, element (m, n) at the offset the row split
+    (rows_per_group, stride_group, stride_row) and column split (cols_per_part, cols_per_head, stride_part,
+    stride_head) give: the kernel's layout arguments."""
     m, k = x2d.shape
     n = weight.shape[0]
     block_m, block_n, block_k, warps = _blocks(x2d)
@@ -82,24 +86,6 @@ def _launch(x2d, weight, bias, out, activation, rows_per_group, stride_group, st
 def dense(x2d, weight, bias, activation, out):
     """out [M, N] (contiguous) = act(x2d [M, K] @ weight [N, K].T + bias [N])."""
     m, n = x2d.shape[0], weight.shape[0]
-    _launch(x2d, weight, bias, out, activation, rows_per_group=max(m, 1), stride_group=0, stride_row=n,
-            cols_per_part=n, cols_per_head=n, stride_part=0, stride_head=0)
-    return out
-
-
-def qkv_head_major(x2d, weight, bias, num_heads, seq, out):
-    """x2d [rows, H] @ weight [3H, H].T + bias, written head-major into a contiguous `out`: with
-    seq > 0 rows are (batch, position) and out is [3, B, heads, S, d]; with seq == 0 rows are packed
-    tokens and out is [3, T, heads, d]."""
-    hidden = weight.shape[1]
-    d = hidden // num_heads
-    if seq:  # rows are (batch, position); out[p, b, h, s, :]
-        b = x2d.shape[0] // seq
-        stride_part, stride_group, stride_head, stride_row = b * hidden * seq, hidden * seq, seq * d, d
-        rows_per_group = seq
-    else:  # rows are tokens; out[p, t, h, :]
-        stride_part, stride_group, stride_head, stride_row = x2d.shape[0] * hidden, 0, d, hidden
-        rows_per_group = max(x2d.shape[0], 1)
-    _launch(x2d, weight, bias, out, "none", rows_per_group, stride_group, stride_row,
-            cols_per_part=hidden, cols_per_head=d, stride_part=stride_part, stride_head=stride_head)
+    gemm_epilogue(x2d, weight, bias, out, activation, rows_per_group=max(m, 1), stride_group=0, stride_row=n,
+                  cols_per_part=n, cols_per_head=n, stride_part=0, stride_head=0)
     return out

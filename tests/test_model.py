@@ -92,6 +92,19 @@ def test_training_mode_applies_dropout_eval_does_not():
     assert not torch.equal(model(ids)[0], model(ids)[0])
 
 
+@pytest.mark.skipif(bool(fastbert.dispatch.machine_reasons("cpu")), reason="fastbert._C not built")
+def test_model_trains_on_the_cpu_kernel_with_attention_dropout():
+    model = fastbert.BertModel(fastbert.BertConfig.tiny(vocab_size=50, attention_probs_dropout_prob=0.1)).train()
+    ids = torch.randint(0, 50, (2, 8))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, 5:] = 0
+    with fastbert.dispatch.record() as calls:
+        model(ids, attention_mask=mask).last_hidden_state.sum().backward()
+    assert ("varlen_attention", "cpu") in calls and ("varlen_attention.backward", "cpu") in calls
+    model.eval()
+    assert torch.equal(model(ids)[0], model(ids)[0])  # eval mode: no dropout
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("backend", ["cpu", "triton", "cuda"])
 def test_kernel_backend_matches_reference_model(backend, dtype):

@@ -2,7 +2,7 @@
 // raw pointers, sizes, a storage dtype tag and a stream in, a cudaError_t out (the launch's, via
 // cudaGetLastError).
 // bindings.cpp (built only against a CUDA torch) checks tensors and calls these; the .cu files include
-// no torch header, so they compile with plain nvcc anywhere (tests/test_cuda_compile.py).
+// no torch header, so they compile with plain nvcc anywhere (tests/test_build.py).
 // Row-wise ops take contiguous, row-major [rows, n] tensors; attention takes strided views (below).
 // Math is fp32 whatever the storage dtype.
 #pragma once

@@ -78,7 +78,7 @@ SPEC = OpSpec(
 
 
 def _triton_forward(x, weight, bias, num_heads):
-    from fastbert.kernels import dense as kernel
+    from fastbert.kernels import qkv_projection as kernel
 
     out = _alloc.empty(_head_major_shape(x, num_heads), dtype=x.dtype, device=x.device)
     x2d = x.reshape(-1, x.shape[-1]).contiguous()
