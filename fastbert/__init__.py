@@ -1,6 +1,7 @@
 """fastbert: a BERT encoder for PyTorch on fused kernels, with a naive reference behind every one."""
 from fastbert import dispatch, ops
 from fastbert.config import BertConfig
+from fastbert.encode import encode
 from fastbert.dispatch import BackendUnavailable, use_backend
 from fastbert.heads import (BertForMaskedLM, BertForPreTraining, BertForQuestionAnswering,
                             BertForSequenceClassification, BertForTokenClassification)
@@ -12,5 +13,5 @@ from fastbert.quantization import quantize
 __version__ = "0.1.0"
 __all__ = ["BertConfig", "BertModel", "BertModelOutput", "BertPreTrainedModel", "BertForMaskedLM",
            "BertForPreTraining", "BertForSequenceClassification", "BertForTokenClassification",
-           "BertForQuestionAnswering", "BackendUnavailable", "dispatch", "keep_freed_memory", "ops", "optimize", "quantize",
+           "BertForQuestionAnswering", "BackendUnavailable", "dispatch", "encode", "keep_freed_memory", "ops", "optimize", "quantize",
            "register_attention", "use_backend"]

@@ -203,5 +203,11 @@ def quantize(model: nn.Module, mode: str = "dynamic", calibration=None, observer
     return model
 
 
+def fast_activation_dtype() -> torch.dtype:
+    """What an int8 model best computes between its int8 GEMMs on this CPU: bfloat16 where oneDNN runs it
+    natively (avx512_bf16 or AMX; costs little accuracy beside the int8 GEMMs'), else float32."""
+    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+
+
 def is_quantized(model: nn.Module) -> bool:
     return any(isinstance(m, Int8Linear) for m in model.modules())

@@ -21,6 +21,7 @@ import torch
 import fastbert
 from fastbert.apps.timing import alternating_medians
 from fastbert.info import cpu, cpu_line
+from fastbert.quantization import fast_activation_dtype
 from fastbert.testing import INT8, assert_close, rel_err
 
 COMPETITORS = ("fastbert", "hf-eager", "hf-sdpa", "compile", "nested", "onnxruntime", "openvino", "fastbert-bf16")
@@ -244,8 +245,9 @@ def openvino_runner(hf_model, dtype, quantized=False, calibration=None):
         batches = calibration or calibration_batches(hf_model.config.vocab_size)
         data = nncf.Dataset(batches, lambda b: {"input_ids": b[0].numpy(), "attention_mask": b[1].numpy()})
         model = nncf.quantize(model, data, model_type=nncf.ModelType.TRANSFORMER, subset_size=len(batches))
+    bf16 = dtype == torch.bfloat16 or (quantized and fast_activation_dtype() == torch.bfloat16)
     config = {"INFERENCE_NUM_THREADS": torch.get_num_threads(), "PERFORMANCE_HINT": "LATENCY",
-              "INFERENCE_PRECISION_HINT": "bf16" if dtype == torch.bfloat16 else "f32"}
+              "INFERENCE_PRECISION_HINT": "bf16" if bf16 else "f32"}
     compiled = ov.Core().compile_model(model, "CPU", config)
 
     def run(ids, mask):
@@ -256,13 +258,14 @@ def openvino_runner(hf_model, dtype, quantized=False, calibration=None):
 
 def build_competitors(names, ours, eager, sdpa, dtype, workdir, quantized=False) -> list[Competitor]:
     """The competitors in `dtype`; with `quantized` (int8 rows), fastbert, onnxruntime and openvino run
-    int8 models, transformers float32, and fastbert-bf16 the fastbert model in bfloat16."""
+    int8 models (activations in fast_activation_dtype() where the engine can), transformers float32, and
+    fastbert-bf16 the fastbert model in bfloat16."""
     out = []
     for name in names:
         try:
             if name == "fastbert":
-                model = fastbert.quantize(copy.deepcopy(ours)) if quantized else ours
-                out.append(Competitor(name, lambda ids, mask, m=model: m(ids, attention_mask=mask).last_hidden_state))
+                model = fastbert.quantize(copy.deepcopy(ours)).to(fast_activation_dtype()) if quantized else ours
+                out.append(Competitor(name, lambda ids, mask, m=model: m(ids, attention_mask=mask).last_hidden_state.float()))
             elif name == "fastbert-bf16":
                 model = copy.deepcopy(ours).to(torch.bfloat16)
                 out.append(Competitor(name, lambda ids, mask, m=model: m(ids, attention_mask=mask).last_hidden_state.float()))
@@ -369,6 +372,9 @@ def markdown(rows: list[Row], names: list[str], rates: dict) -> str:
     lines.append(cpu_line() + f", {torch.get_num_threads()} threads")
     lines.append("GEMM rate (CPU: oneDNN packed 1024x768x3072; GPU: cuBLAS 8192^3; same run): "
                  + ", ".join(f"{k} {v:.0f} {'GOP' if k == 'int8' else 'GFLOP'}/s" for k, v in rates.items()))
+    if any(r.dtype == "int8" for r in rows):
+        lines.append(f"int8 rows: activations between the int8 GEMMs in {str(fast_activation_dtype()).removeprefix('torch.')} "
+                     "(fastbert, OpenVINO); ONNX Runtime in float32")
     for r in rows:
         if r.dtype == "int8":
             lines.append(f"- rel err vs transformers float32, {r.model} int8 {r.shape}: "
