@@ -1,4 +1,4 @@
-"""python -m fastbert info | demo | bench"""
+"""python -m fastbert info | demo | bench | encode | pretrain | finetune"""
 from __future__ import annotations
 
 import argparse
@@ -71,6 +71,22 @@ def main(argv=None) -> int:
         add("--resume", default=None, help="checkpoint directory to continue from (same results as not stopping)")
         add("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
         add("--no-progress", action="store_true", help="no progress bar")
+    encode = sub.add_parser("encode", help="embed a text file (.txt, .jsonl, .parquet) into .npy or .parquet, resumable")
+    encode.add_argument("--model", required=True, help="HF BERT directory (a sentence-transformers one works too)")
+    encode.add_argument("--input", required=True, help=".txt (one text a line), .jsonl (with --field), .parquet (with --column)")
+    encode.add_argument("--output", required=True, help=".npy or .parquet; shards go to OUTPUT.parts until the end")
+    encode.add_argument("--field", default=None, help="the .jsonl field holding the text")
+    encode.add_argument("--column", default=None, help="the .parquet column holding the text")
+    encode.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "int8"], help="the model's precision")
+    encode.add_argument("--batch-tokens", type=int, default=16384, help="token budget of a batch (batch x longest)")
+    encode.add_argument("--pooling", default="mean", choices=["mean", "cls"], help="how token states become one vector")
+    encode.add_argument("--no-normalize", action="store_true", help="leave embeddings unnormalized")
+    encode.add_argument("--max-length", type=int, default=None,
+                        help="tokens per text (default: sentence-transformers' max_seq_length, else the model's)")
+    encode.add_argument("--truncate", action="store_true", help="cut texts over --max-length instead of stopping")
+    encode.add_argument("--shard-texts", type=int, default=4096, help="texts per shard (the unit a resumed run skips)")
+    encode.add_argument("--restart", action="store_true", help="discard an interrupted run's shards")
+    encode.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     if args.command == "info":
         from fastbert.info import report
@@ -85,6 +101,16 @@ def main(argv=None) -> int:
 
         run(args.models, args.dtypes, args.shapes, args.competitors, args.rounds, args.out, args.backend, args.device,
             args.keep_freed_memory)
+    elif args.command == "encode":
+        from fastbert.apps.encode import InputError, run
+
+        try:
+            run(args.model, args.input, args.output, args.dtype, args.batch_tokens, args.field, args.column,
+                args.pooling, not args.no_normalize, args.max_length, args.truncate, args.shard_texts, args.restart,
+                not args.no_progress)
+        except InputError as e:
+            print(f"fastbert encode: {e}", file=sys.stderr)
+            return 2
     elif args.command in ("pretrain", "finetune"):
         from fastbert.apps import train
 

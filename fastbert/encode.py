@@ -13,6 +13,14 @@ import torch
 POOLINGS = ("mean", "cls", "none")
 
 
+class TextTooLong(ValueError):
+    """A text over max_length, with truncation off."""
+
+    def __init__(self, index: int, tokens: int, max_length: int):
+        super().__init__(f"text {index} has {tokens} tokens, over max_length={max_length} (truncate=True cuts it)")
+        self.index, self.tokens, self.max_length = index, tokens, max_length
+
+
 def load(directory, dtype: str = "fp32"):
     """(model, tokenizer) from an HF BERT directory; dtype "fp32", "bf16" or "int8" (fastbert.quantize, the
     activations between int8 GEMMs in quantization.fast_activation_dtype())."""
@@ -65,8 +73,7 @@ def tokenize(tokenizer, texts: list[str], max_length: int, truncate: bool, first
     for k, row in enumerate(ids):
         if len(row) > max_length:
             if not truncate:
-                raise ValueError(f"text {first_index + k} has {len(row)} tokens, over max_length={max_length} "
-                                 "(truncate=True cuts it)")
+                raise TextTooLong(first_index + k, len(row), max_length)
             ids[k] = row[: max_length - 1] + row[-1:]  # keep [SEP] last, as the tokenizer's own truncation does
     return ids
 

@@ -1,0 +1,188 @@
+"""`python -m fastbert encode`: embed a text file (.txt one text a line, .jsonl, .parquet) into .npy or
+.parquet. Embeddings are written in shards (OUT.parts/) as the run goes; a run that stops resumes after
+its last complete shard, and its result equals an uninterrupted run's (each shard is one of
+fastbert.encode's windows, batched the same way on every run)."""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import sys
+import time
+from typing import Iterator
+
+import numpy as np
+
+
+class InputError(ValueError):
+    """A problem with the input or the options, in words, naming the line where there is one."""
+
+
+def read_texts(path: str, field: str | None = None, column: str | None = None) -> Iterator[str]:
+    """The texts of `path`, in order: .txt one a line (empty lines are empty texts), .jsonl the string in
+    `field` of each line, .parquet the string column `column`."""
+    ext = os.path.splitext(path)[1].lower()
+    if not os.path.exists(path):
+        raise InputError(f"{path}: no such file")
+    if ext == ".parquet":
+        if column is None:
+            raise InputError("a .parquet input needs --column")
+        import pyarrow.parquet as pq
+
+        f = pq.ParquetFile(path)
+        if column not in f.schema_arrow.names:
+            raise InputError(f"{path} has no column {column!r} (columns: {', '.join(f.schema_arrow.names)})")
+        row = 0
+        for batch in f.iter_batches(columns=[column]):
+            for value in batch.column(0).to_pylist():
+                row += 1
+                if not isinstance(value, str):
+                    raise InputError(f"{path} row {row}: column {column!r} is {type(value).__name__}, not a string")
+                yield value
+        return
+    if ext not in (".txt", ".jsonl"):
+        raise InputError(f"{path}: the input must be .txt, .jsonl or .parquet")
+    if ext == ".jsonl" and field is None:
+        raise InputError("a .jsonl input needs --field")
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            raw = raw.rstrip(b"\n").rstrip(b"\r")
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise InputError(f"{path} line {number}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})") from None
+            if ext == ".txt":
+                yield line
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"{path} line {number}: not JSON ({e.msg})") from None
+            if not isinstance(record, dict) or field not in record:
+                raise InputError(f"{path} line {number}: no field {field!r}")
+            if not isinstance(record[field], str):
+                raise InputError(f"{path} line {number}: field {field!r} is {type(record[field]).__name__}, not a string")
+            yield record[field]
+
+
+def _manifest(args, input_path, model_dir) -> dict:
+    stat = os.stat(input_path)
+    return {"input": os.path.abspath(input_path), "input_bytes": stat.st_size, "input_mtime_ns": stat.st_mtime_ns,
+            "model": os.path.abspath(model_dir), "dtype": args["dtype"], "pooling": args["pooling"],
+            "normalize": args["normalize"], "max_length": args["max_length"], "truncate": args["truncate"],
+            "batch_tokens": args["batch_tokens"], "shard_texts": args["shard_texts"], "field": args["field"],
+            "column": args["column"]}
+
+
+def _complete_shards(parts: str) -> int:
+    done = 0
+    while os.path.exists(os.path.join(parts, f"{done:06d}.npy")):
+        done += 1
+    return done
+
+
+def _assemble(parts: str, count: int, out: str) -> int:
+    """The shards, in order, into `out` (.npy or .parquet, written under a temporary name first)."""
+    shards = [os.path.join(parts, f"{i:06d}.npy") for i in range(count)]
+    rows = sum(np.load(s, mmap_mode="r").shape[0] for s in shards)
+    width = np.load(shards[0], mmap_mode="r").shape[1] if shards else 0
+    tmp = out + ".tmp"
+    if out.endswith(".npy"):
+        array = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(rows, width))
+        at = 0
+        for s in shards:
+            block = np.load(s)
+            array[at:at + len(block)] = block
+            at += len(block)
+        array.flush()
+        del array
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        schema = pa.schema([("embedding", pa.list_(pa.float32(), width))])
+        with pq.ParquetWriter(tmp, schema) as writer:
+            for s in shards:
+                block = np.load(s)
+                values = pa.FixedSizeListArray.from_arrays(pa.array(block.reshape(-1)), width)
+                writer.write_table(pa.table({"embedding": values}, schema=schema))
+    os.replace(tmp, out)
+    return rows
+
+
+def run(model_dir: str, input_path: str, output: str, dtype: str = "fp32", batch_tokens: int = 16384,
+        field: str | None = None, column: str | None = None, pooling: str = "mean", normalize: bool = True,
+        max_length: int | None = None, truncate: bool = False, shard_texts: int = 4096, restart: bool = False,
+        progress: bool = True) -> int:
+    """Embed every text of `input_path` into `output`; returns the number of texts."""
+    from fastbert.encode import TextTooLong, default_max_length, encode_windows, load
+
+    if not output.endswith((".npy", ".parquet")):
+        raise InputError(f"--output must end in .npy or .parquet, got {output}")
+    if pooling == "none":
+        raise InputError("pooling 'none' gives one array per text: the encode command writes pooled embeddings")
+    if not os.path.isdir(model_dir):
+        raise InputError(f"--model {model_dir}: not a directory")
+    texts = read_texts(input_path, field, column)
+    model, tokenizer = load(model_dir, dtype)
+    max_length = max_length or default_max_length(model, tokenizer, model_dir)
+    settings = dict(dtype=dtype, pooling=pooling, normalize=normalize, max_length=max_length, truncate=truncate,
+                    batch_tokens=batch_tokens, shard_texts=shard_texts, field=field, column=column)
+    manifest = _manifest(settings, input_path, model_dir)
+    parts = output + ".parts"
+    if restart and os.path.isdir(parts):
+        shutil.rmtree(parts)
+    os.makedirs(parts, exist_ok=True)
+    manifest_path = os.path.join(parts, "manifest.json")
+    if os.path.exists(manifest_path):
+        with open(manifest_path) as f:
+            previous = json.load(f)
+        if previous != manifest:
+            changed = sorted(k for k in manifest if previous.get(k) != manifest[k])
+            raise InputError(f"{parts} holds a run with other settings or input ({', '.join(changed)}): "
+                             "pass --restart to start over")
+    else:
+        with open(manifest_path + ".tmp", "w") as f:
+            json.dump(manifest, f, indent=1)
+        os.replace(manifest_path + ".tmp", manifest_path)
+    done = _complete_shards(parts)
+    if done:
+        print(f"resuming after {done} complete shards ({done * shard_texts} texts) in {parts}", file=sys.stderr)
+    texts = itertools.islice(texts, done * shard_texts, None)
+
+    bar, counts, started = None, [0, 0], time.perf_counter()
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(desc="encoding", unit=" texts", file=sys.stderr, dynamic_ncols=True, initial=done * shard_texts)
+
+    def on_batch(n_texts, n_tokens):
+        counts[0] += n_texts
+        counts[1] += n_tokens
+        if bar is not None:
+            elapsed = max(time.perf_counter() - started, 1e-9)
+            bar.update(n_texts)
+            bar.set_postfix_str(f"{counts[0] / elapsed:.0f} texts/s, {counts[1] / elapsed:.0f} tokens/s")
+
+    shard = done
+    try:
+        for _, embeddings in encode_windows(model, texts, tokenizer, pooling, normalize, batch_tokens, max_length,
+                                            truncate, shard_texts, on_batch):
+            path = os.path.join(parts, f"{shard:06d}.npy")
+            with open(path + ".tmp", "wb") as f:
+                np.save(f, embeddings.numpy())
+            os.replace(path + ".tmp", path)  # a shard exists whole or not at all
+            shard += 1
+    except TextTooLong as e:  # text k of the input is its line (or row) k + 1
+        raise InputError(f"{input_path} line {e.index + done * shard_texts + 1}: {e.tokens} tokens, over max_length "
+                         f"{e.max_length} (--truncate cuts it, --max-length sets it)") from None
+    finally:
+        if bar is not None:
+            bar.close()
+    rows = _assemble(parts, shard, output)
+    shutil.rmtree(parts)
+    elapsed = time.perf_counter() - started
+    print(f"{rows} texts -> {output} ({counts[0] / max(elapsed, 1e-9):.0f} texts/s, "
+          f"{counts[1] / max(elapsed, 1e-9):.0f} tokens/s this run)", file=sys.stderr)
+    return rows

@@ -1,0 +1,157 @@
+"""fastbert.encode and `python -m fastbert encode`: sentence-transformers' embeddings, in input order,
+token-budget batches, resumable sharded output, clear errors for bad input."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import fastbert
+from fastbert.apps.demo import minilm_dir
+from fastbert.encode import load, token_budget_batches
+from fastbert.testing import INT8, assert_matches
+
+SENTENCES = [line for line in (Path(__file__).parent / "data" / "sentences.txt").read_text("utf-8").split("\n") if line]
+TEXTS = SENTENCES[:100] + ["", "word " * 400]  # an empty text and one over MiniLM's 256-token limit
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    return load(minilm_dir())
+
+
+def test_equals_sentence_transformers_in_input_order(minilm):
+    st = pytest.importorskip("sentence_transformers")
+    theirs = st.SentenceTransformer(minilm_dir(), device="cpu").encode(TEXTS, convert_to_tensor=True,
+                                                                         normalize_embeddings=True)
+    ours = fastbert.encode(minilm_dir(), TEXTS)
+    assert ours.shape == theirs.shape and ours.dtype == torch.float32
+    assert_matches(ours, theirs, name="embeddings")
+
+
+def test_streaming_windows_and_budgets_give_the_same_embeddings(minilm):
+    model, tokenizer = minilm
+    whole = fastbert.encode(model, TEXTS, tokenizer)
+    streamed = fastbert.encode(model, iter(TEXTS), tokenizer, batch_tokens=300, window=7)
+    assert_matches(streamed, whole, name="embeddings")
+    cls = fastbert.encode(model, TEXTS[:5], tokenizer, pooling="cls", normalize=False)
+    tokens = fastbert.encode(model, TEXTS[:5], tokenizer, pooling="none")
+    assert cls.shape == (5, 384) and len(tokens) == 5 and tokens[0].shape[1] == 384
+    assert_matches(cls, torch.stack([t[0] for t in tokens]), name="[CLS] states")
+    assert fastbert.encode(model, [], tokenizer).shape == (0, 384)
+
+
+def test_token_budget_batches_cover_every_text_once_within_budget():
+    lengths = [int(n) for n in torch.randint(1, 300, (500,))] + [900]
+    batches = token_budget_batches(lengths, 1024)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for b in batches:
+        assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 1024
+        assert lengths[b[0]] == max(lengths[i] for i in b)
+
+
+def test_bad_arguments_are_named(minilm):
+    model, tokenizer = minilm
+    with pytest.raises(ValueError, match="pooling must be one of"):
+        fastbert.encode(model, ["a"], tokenizer, pooling="max")
+    with pytest.raises(ValueError, match="needs the model's tokenizer"):
+        fastbert.encode(model, ["a"])
+    with pytest.raises(TypeError, match="text 1 is a int"):
+        fastbert.encode(model, ["a", 3], tokenizer)
+    with pytest.raises(ValueError, match="text 1 has 402 tokens, over max_length=256"):
+        fastbert.encode(model, TEXTS[-2:], tokenizer, max_length=256, truncate=False)
+
+
+def cli(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "fastbert", "encode", "--model", minilm_dir(), "--no-progress", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_command_txt_jsonl_parquet(tmp_path, minilm):
+    model, tokenizer = minilm
+    texts = SENTENCES[:40] + ["", "  spaced  "]
+    (tmp_path / "in.txt").write_text("\n".join(texts) + "\n", encoding="utf-8")
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": i, "body": t}) + "\n" for i, t in enumerate(texts)))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": texts}), tmp_path / "in.parquet")
+    want = fastbert.encode(model, texts, tokenizer).numpy()
+    for source, extra, out in (("in.txt", [], "a.npy"), ("in.jsonl", ["--field", "body"], "b.npy"),
+                               ("in.parquet", ["--column", "body"], "c.parquet")):
+        done = cli("--input", str(tmp_path / source), "--output", str(tmp_path / out), "--shard-texts", "16", *extra)
+        assert done.returncode == 0, done.stderr[-2000:]
+        got = np.load(tmp_path / out) if out.endswith(".npy") else np.stack(
+            pq.read_table(tmp_path / out)["embedding"].to_numpy(zero_copy_only=False))
+        assert got.shape == (len(texts), 384), source  # the empty lines are texts too
+        assert_matches(torch.from_numpy(got), torch.from_numpy(want), name=source)
+        assert not (tmp_path / (out + ".parts")).exists()
+
+
+def test_command_int8_and_bf16_stay_close_to_fp32(tmp_path):
+    (tmp_path / "in.txt").write_text("\n".join(SENTENCES[:60]) + "\n", encoding="utf-8")
+    outs = {}
+    for dtype in ("fp32", "bf16", "int8"):
+        done = cli("--input", str(tmp_path / "in.txt"), "--output", str(tmp_path / f"{dtype}.npy"), "--dtype", dtype)
+        assert done.returncode == 0, done.stderr[-2000:]
+        outs[dtype] = np.load(tmp_path / f"{dtype}.npy")
+    for dtype in ("bf16", "int8"):
+        cosine = (outs[dtype] * outs["fp32"]).sum(-1)
+        assert cosine.min() >= INT8.sentence_cosine, (dtype, cosine.min())
+
+
+@pytest.mark.parametrize("content,extra,message", [
+    (b"fine\nbad \xff byte\n", [], "in.txt line 2: not UTF-8 \\(byte 0xff at column 5\\)"),
+    (b'{"text": "a"}\n{"other": "b"}\n', ["--field", "text"], "in.jsonl line 2: no field 'text'"),
+    (b'{"text": "a"}\nnot json\n', ["--field", "text"], "in.jsonl line 2: not JSON"),
+    (b"short\n" + b"word " * 400 + b"\n", [], "in.txt line 2: 402 tokens, over max_length 256 \\(--truncate"),
+])
+def test_command_bad_input_names_the_line(tmp_path, content, extra, message):
+    name = "in.jsonl" if extra else "in.txt"
+    (tmp_path / name).write_bytes(content)
+    done = cli("--input", str(tmp_path / name), "--output", str(tmp_path / "out.npy"), *extra)
+    assert done.returncode == 2
+    assert re.search(message, done.stderr), done.stderr[-1000:]
+
+
+def test_command_truncate_cuts_long_texts(tmp_path):
+    (tmp_path / "in.txt").write_bytes(b"short\n" + b"word " * 400 + b"\n")
+    done = cli("--input", str(tmp_path / "in.txt"), "--output", str(tmp_path / "out.npy"), "--truncate")
+    assert done.returncode == 0, done.stderr[-1000:]
+    assert np.load(tmp_path / "out.npy").shape == (2, 384)
+
+
+def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path):
+    texts = [f"{i}: {s}" for i, s in enumerate(SENTENCES * 6)]  # 1920 distinct texts, 60 shards of 32
+    (tmp_path / "in.txt").write_text("\n".join(texts) + "\n", encoding="utf-8")
+    whole = cli("--input", str(tmp_path / "in.txt"), "--output", str(tmp_path / "whole.npy"), "--shard-texts", "32")
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    out, parts = tmp_path / "part.npy", tmp_path / "part.npy.parts"
+    args = [sys.executable, "-m", "fastbert", "encode", "--model", minilm_dir(), "--no-progress",
+            "--input", str(tmp_path / "in.txt"), "--output", str(out), "--shard-texts", "32"]
+    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline and len(list(parts.glob("0*.npy"))) < 3 and process.poll() is None:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    kept = len(list(parts.glob("0*.npy")))
+    assert not out.exists() and 3 <= kept < 60, "the run should have been stopped halfway"
+    resumed = cli("--input", str(tmp_path / "in.txt"), "--output", str(out), "--shard-texts", "32")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resuming after {kept} complete shards ({kept * 32} texts)" in resumed.stderr
+    a, b = np.load(tmp_path / "whole.npy"), np.load(out)
+    assert a.shape == b.shape == (len(texts), 384)
+    assert np.array_equal(a, b)  # same shards, same batches: the same numbers, none lost or doubled
+    # Other settings on a leftover run are refused, not mixed in.
+    os.makedirs(str(out) + ".parts")
+    (Path(str(out) + ".parts") / "manifest.json").write_text(json.dumps({"dtype": "bf16"}))
+    refused = cli("--input", str(tmp_path / "in.txt"), "--output", str(out), "--shard-texts", "32")
+    assert refused.returncode == 2 and "--restart" in refused.stderr
