@@ -98,5 +98,6 @@ setup(
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     install_requires=["torch>=2.4", "safetensors"],
-    extras_require={"triton": ["triton>=3.0"], "hf": ["transformers", "tokenizers"]},
+    extras_require={"triton": ["triton>=3.0"], "hf": ["transformers", "tokenizers"], "ray": ["ray[data]"],
+                    "parquet": ["pyarrow"]},
 )

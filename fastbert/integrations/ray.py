@@ -1,0 +1,47 @@
+"""Ray Data: embed a dataset's text column with fastbert when one machine is not enough. `Embedder` is a
+callable class for `Dataset.map_batches`: Ray builds one per actor, so each loads the model once.
+
+    import ray
+    from fastbert.integrations.ray import Embedder
+
+    ds = ray.data.read_parquet("s3://bucket/corpus/")
+    ds = ds.map_batches(Embedder, fn_constructor_kwargs={"model": "/models/all-MiniLM-L6-v2", "column": "text"},
+                        batch_size=4096, concurrency=8, num_cpus=2)
+    ds.write_parquet("s3://bucket/embeddings/")
+
+Needs `pip install "ray[data]"`; fastbert itself never imports ray.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class Embedder:
+    """Adds `output_column` (float32 [rows, hidden]) to each batch: fastbert.encode of `column`. The model
+    is an HF BERT directory every worker can read; dtype "fp32", "bf16" or "int8"; `threads` sets torch's
+    intra-op threads per actor (default: torch's choice, which Ray's num_cpus bounds)."""
+
+    def __init__(self, model: str, column: str = "text", output_column: str = "embedding", dtype: str = "fp32",
+                 pooling: str = "mean", normalize: bool = True, batch_tokens: int = 16384,
+                 max_length: int | None = None, truncate: bool = True, threads: int | None = None):
+        from fastbert.encode import default_max_length, load
+
+        if pooling == "none":
+            raise ValueError("pooling 'none' gives one array per text; Embedder adds pooled embeddings")
+        if threads:
+            torch.set_num_threads(threads)
+        self.model, self.tokenizer = load(model, dtype)
+        self.max_length = max_length or default_max_length(self.model, self.tokenizer, model)
+        self.column, self.output_column = column, output_column
+        self.options = dict(pooling=pooling, normalize=normalize, batch_tokens=batch_tokens, truncate=truncate)
+
+    def __call__(self, batch: dict) -> dict:
+        from fastbert.encode import encode
+
+        if self.column not in batch:
+            raise KeyError(f"the batch has no column {self.column!r} (columns: {', '.join(batch)})")
+        texts = [str(t) for t in batch[self.column]]
+        embeddings = encode(self.model, texts, self.tokenizer, max_length=self.max_length, window=max(len(texts), 1),
+                            **self.options)
+        return {**batch, self.output_column: np.asarray(embeddings.numpy(), dtype=np.float32)}
