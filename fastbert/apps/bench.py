@@ -31,7 +31,14 @@ MODELS = ("minilm", "base")
 # int8 rows: every model's weights quantized by its own tool (fastbert.quantize, ONNX Runtime's dynamic
 # quantization, OpenVINO's NNCF post-training quantization); activations and outputs in float32.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.float32}
-CALIBRATION_SEEDS = (11, 12, 13, 14)  # make_batch("8x128") seeds of the static-quantization calibration batches
+CALIBRATION_SEEDS = (11, 12, 13, 14)
+# Idle time before each timed call: ONNX Runtime's and OpenVINO's worker threads (and torch's) keep spinning
+# for a while after a call, and slowed the next contender by 15-20% (BERT-base 8x128, measured).
+SETTLE_S = 0.3
+
+
+def settle() -> None:
+    time.sleep(SETTLE_S)  # make_batch("8x128") seeds of the static-quantization calibration batches
 
 
 def log(*parts) -> None:
@@ -245,9 +252,9 @@ def openvino_runner(hf_model, dtype, quantized=False, calibration=None):
         batches = calibration or calibration_batches(hf_model.config.vocab_size)
         data = nncf.Dataset(batches, lambda b: {"input_ids": b[0].numpy(), "attention_mask": b[1].numpy()})
         model = nncf.quantize(model, data, model_type=nncf.ModelType.TRANSFORMER, subset_size=len(batches))
-    bf16 = dtype == torch.bfloat16 or (quantized and fast_activation_dtype() == torch.bfloat16)
-    config = {"INFERENCE_NUM_THREADS": torch.get_num_threads(), "PERFORMANCE_HINT": "LATENCY",
-              "INFERENCE_PRECISION_HINT": "bf16" if bf16 else "f32"}
+    config = {"INFERENCE_NUM_THREADS": torch.get_num_threads(), "PERFORMANCE_HINT": "LATENCY"}
+    if not quantized:  # int8: OpenVINO's own choice for the layers it keeps in float (bf16 on AMX, else f32)
+        config["INFERENCE_PRECISION_HINT"] = "bf16" if dtype == torch.bfloat16 else "f32"
     compiled = ov.Core().compile_model(model, "CPU", config)
 
     def run(ids, mask):
@@ -350,7 +357,8 @@ def measure(timed: list[Competitor], reference: Competitor, ids, mask, dtype, ro
                 continue
             live.append(c)
         # Warmed up by the parity runs above.
-        ms = alternating_medians({c.name: (lambda c=c: c.run(ids, mask)) for c in live}, rounds, device, warmup=0)
+        ms = alternating_medians({c.name: (lambda c=c: c.run(ids, mask)) for c in live}, rounds, device, warmup=0,
+                                 before=settle)
     return ms, skipped, errors
 
 
