@@ -381,8 +381,9 @@ def markdown(rows: list[Row], names: list[str], rates: dict) -> str:
     lines.append("GEMM rate (CPU: oneDNN packed 1024x768x3072; GPU: cuBLAS 8192^3; same run): "
                  + ", ".join(f"{k} {v:.0f} {'GOP' if k == 'int8' else 'GFLOP'}/s" for k, v in rates.items()))
     if any(r.dtype == "int8" for r in rows):
-        lines.append(f"int8 rows: activations between the int8 GEMMs in {str(fast_activation_dtype()).removeprefix('torch.')} "
-                     "(fastbert, OpenVINO); ONNX Runtime in float32")
+        lines.append(f"int8 rows: fastbert computes between its int8 GEMMs in "
+                     f"{str(fast_activation_dtype()).removeprefix('torch.')}, OpenVINO in its own choice, ONNX Runtime "
+                     "in float32")
     for r in rows:
         if r.dtype == "int8":
             lines.append(f"- rel err vs transformers float32, {r.model} int8 {r.shape}: "
@@ -428,7 +429,7 @@ def run(models=("minilm", "base"), dtypes=("fp32",), shapes=SHAPES, competitors=
         log("malloc keeps freed memory (fastbert.keep_freed_memory): " + ("on" if keep() else "not available (not glibc, or glibc refused it)"))
     rates = {d: gemm_rate(DTYPES[d], device, quantized=d == "int8") for d in dtypes}
     log(cpu_line())
-    log("GEMM rate: " + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in rates.items()))
+    log("GEMM rate: " + ", ".join(f"{k} {v:.0f} {'GOP' if k == 'int8' else 'GFLOP'}/s" for k, v in rates.items()))
     rows = []
     for model in models:
         for dname in dtypes:
