@@ -32,9 +32,11 @@ MODELS = ("minilm", "base")
 # quantization, OpenVINO's NNCF post-training quantization); activations and outputs in float32.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.float32}
 CALIBRATION_SEEDS = (11, 12, 13, 14)
-# Idle time before each timed call: ONNX Runtime's and OpenVINO's worker threads (and torch's) keep spinning
-# for a while after a call, and slowed the next contender by 15-20% (BERT-base 8x128, measured).
+# Idle time before each timed call where ONNX Runtime or OpenVINO take part: their worker threads keep
+# spinning for a while after a call and slowed the next contender by 15-20% (BERT-base 8x128). Only then:
+# the pause itself costs short calls of every contender a few ms (a woken thread pool; measured).
 SETTLE_S = 0.3
+SPINNING = ("onnxruntime", "openvino")
 
 
 def settle() -> None:
@@ -357,8 +359,9 @@ def measure(timed: list[Competitor], reference: Competitor, ids, mask, dtype, ro
                 continue
             live.append(c)
         # Warmed up by the parity runs above.
+        spinning = any(c.name in SPINNING for c in live)
         ms = alternating_medians({c.name: (lambda c=c: c.run(ids, mask)) for c in live}, rounds, device, warmup=0,
-                                 before=settle)
+                                 before=settle if spinning else None)
     return ms, skipped, errors
 
 
