@@ -9,7 +9,8 @@ from fastbert.testing import assert_close, assert_ran, poison_outputs, tolerance
 from grids import skip_unless_runnable
 
 SHAPES = [((1, 7), 5, "none", "none"), ((13, 97), 64, "gelu", "none"), ((2, 9, 768), 3072, "gelu", "tanh"),
-          ((33, 3072), 768, "none", "none"), ((4, 1, 128), 384, "none", "none")]
+          ((33, 3072), 768, "none", "none"), ((4, 1, 128), 384, "none", "none"),
+          ((100, 64), 3072, "gelu", "tanh")]  # several row blocks (rows_per_block)
 
 
 def layer(n, k, bias=True):
