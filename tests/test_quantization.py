@@ -174,3 +174,10 @@ def test_static_needs_calibration_and_saves_its_scales(tmp_path):
     ids = torch.randint(5, 500, (2, 11))
     with torch.no_grad():
         assert torch.equal(model(ids).last_hidden_state, loaded(ids).last_hidden_state)
+
+
+def test_compile_says_int8_runs_eagerly():
+    model = fastbert.quantize(fastbert.BertModel(small_config()))
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    with torch.no_grad(), pytest.raises(Exception, match="int8 models run eagerly"):
+        compiled(torch.randint(5, 500, (1, 6)))

@@ -28,6 +28,8 @@ def quantized_dense(x, weight: torch.Tensor, weight_scale: torch.Tensor, bias: t
     PreparedWeights, where kernels keep the packed weight. `input_scale` (float32, 0-dim) and
     `input_zero_point` (int32, 0-dim): static quantization, x quantized with this calibrated range
     instead of each row's own (then bias and GELU run inside oneDNN's GEMM)."""
+    if torch.compiler.is_compiling():
+        raise NotImplementedError("int8 models run eagerly: torch.compile of quantized_dense is not supported yet")
     if isinstance(x, QuantizedRows):
         _check_rows(x)
         tensors = (x.values, weight, x.scale)
