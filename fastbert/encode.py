@@ -83,9 +83,9 @@ def _pool(hidden, mask, pooling, normalize):
         return [h[m.bool()].float() for h, m in zip(hidden, mask)]
     if pooling == "cls":
         pooled = hidden[:, 0].float()
-    else:
-        m = mask.unsqueeze(-1).to(hidden.dtype)
-        pooled = ((hidden * m).sum(1) / m.sum(1).clamp_min(1)).float()
+    else:  # summed in float32: a bf16 model's token states, added up in bf16, would lose digits
+        m = mask.unsqueeze(-1).float()
+        pooled = (hidden.float() * m).sum(1) / m.sum(1).clamp_min(1)
     return torch.nn.functional.normalize(pooled, dim=-1) if normalize else pooled
 
 
