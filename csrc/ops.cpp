@@ -17,6 +17,9 @@ TORCH_LIBRARY(fastbert_C, m) {
   m.def("add_layer_norm_bwd(Tensor grad, Tensor x, Tensor residual, Tensor weight, Tensor mean, Tensor rstd, "
         "float dropout_p, int seed, Tensor(a!) grad_h, Tensor(b!) grad_x, Tensor(c!) grad_weight, "
         "Tensor(d!) grad_bias) -> ()");
+  // Inference, CPU: the forward's output and its per-row uint8 quantization (as quantize_rows below).
+  m.def("add_layer_norm_quantize(Tensor x, Tensor residual, Tensor weight, Tensor bias, float eps, Tensor(a!) out, "
+        "Tensor(b!) q, Tensor(c!) q_scale, Tensor(d!) q_zero_point) -> ()");
   // q, k, v: [B, heads, S, d] with key_mask bool [B, S], or [T, heads, d] with cu_seqlens [B + 1];
   // any strides with a contiguous head dimension. lse: float32 [B, heads, S] or [heads, T].
   // dropout_p on the probabilities, with keep decisions hashed from `seed` (backward regenerates them).

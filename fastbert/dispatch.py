@@ -41,6 +41,7 @@ class Support:
     head_dims: tuple[int, ...] | None = None  # None: any
     dropout: bool = True  # can it apply dropout itself
     probabilities: bool = False  # can it return attention probabilities (output_attentions)
+    quantized_output: bool = False  # can it also return its output quantized per row, for an int8 GEMM
 
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -145,10 +146,12 @@ class Facts:
     head_dim: int | None = None
     dropout: bool = False  # dropout_p > 0: only whether, not how much, may steer the choice
     need_weights: bool = False
+    quantize_output: bool = False
 
 
 def facts(inputs: dict) -> Facts:
-    """`inputs`: `tensors` (the call's tensor arguments) and flags `head_dim`, `dropout_p`, `need_weights`."""
+    """`inputs`: `tensors` (the call's tensor arguments) and flags `head_dim`, `dropout_p`, `need_weights`,
+    `quantize_output`."""
     tensors = [t for t in inputs.get("tensors", ()) if t is not None]
     return Facts(
         devices=tuple(sorted({t.device.type for t in tensors})),
@@ -156,6 +159,7 @@ def facts(inputs: dict) -> Facts:
         head_dim=inputs.get("head_dim"),
         dropout=True if inputs.get("dropout_p", 0.0) > 0 else False,  # a branch: dynamo specializes it
         need_weights=bool(inputs.get("need_weights", False)),
+        quantize_output=bool(inputs.get("quantize_output", False)),
     )
 
 
@@ -185,6 +189,8 @@ def not_supported_reasons(op: str, backend: str, inputs: dict | Facts, forced: b
         reasons.append("dropout_p > 0 (this backend has no dropout)")
     if f.need_weights and not s.probabilities:
         reasons.append("output_attentions needs the attention probabilities, which this backend never materializes")
+    if f.quantize_output and not s.quantized_output:
+        reasons.append("quantize_output (this backend cannot return its output as QuantizedRows)")
     if impl.extra_reasons is not None:
         reasons.extend(impl.extra_reasons(f))
     return reasons
@@ -260,7 +266,7 @@ def select(op: str, inputs: dict | Facts) -> tuple[str, dict[str, list[str]]]:
         # torch.device, not .type: the key is built on every call and .type costs a string each time.
         key = (op, tuple([(t.device, t.dtype) for t in inputs.get("tensors", ()) if t is not None]),
                inputs.get("head_dim"), inputs.get("dropout_p", 0.0) > 0, bool(inputs.get("need_weights", False)),
-               forced_backend(op))
+               bool(inputs.get("quantize_output", False)), forced_backend(op))
         choice = _choices.get(key)
         if choice is None:
             choice = _choices[key] = _select_uncached(op, facts(inputs))
@@ -270,14 +276,14 @@ def select(op: str, inputs: dict | Facts) -> tuple[str, dict[str, list[str]]]:
 
 def _select_uncached(op: str, f: Facts) -> tuple[str, dict[str, list[str]]]:
     dtypes = tuple(_dtype_name(d) for d in f.dtypes)
-    return _select(op, f.devices, dtypes, f.head_dim, f.dropout, f.need_weights)
+    return _select(op, f.devices, dtypes, f.head_dim, f.dropout, f.need_weights, f.quantize_output)
 
 
 # Under torch.compile the choice is made once, while tracing, and baked into the graph: it reads
 # only static facts (passed as plain constants) and the overrides in force at that moment.
 @torch.compiler.assume_constant_result
-def _select(op, devices, dtype_names, head_dim, dropout, need_weights) -> tuple[str, dict[str, list[str]]]:
-    f = Facts(devices, tuple(getattr(torch, d) for d in dtype_names), head_dim, dropout, need_weights)
+def _select(op, devices, dtype_names, head_dim, dropout, need_weights, quantize_output) -> tuple[str, dict[str, list[str]]]:
+    f = Facts(devices, tuple(getattr(torch, d) for d in dtype_names), head_dim, dropout, need_weights, quantize_output)
     forced = forced_backend(op)
     if forced is not None:
         backend, where = forced

@@ -70,6 +70,11 @@ class BertEmbeddings(nn.Module):
         return self.dropout(x)
 
 
+def takes_rows(module) -> bool:
+    """Whether `module` is an Int8Linear that takes its input as ops.QuantizedRows."""
+    return isinstance(module, Int8Linear) and module.takes_quantized_rows
+
+
 def linear(module, x, activation="none", approximate="none", prepared=None, quantize_output=False):
     """`module` (an nn.Linear, or an Int8Linear after fastbert.quantize) applied to x, the activation fused;
     `quantize_output`: an Int8Linear returns ops.QuantizedRows for the next Int8Linear."""
@@ -104,14 +109,16 @@ class BertSelfAttention(nn.Module):
         weight, bias = self.fused_qkv()  # [3H, H], [3H]
         return ops.qkv_projection(x, weight, bias, self.num_attention_heads, self.prepared)
 
-    def forward(self, x, attention_mask=None, need_weights=False, packing=None):
+    def forward(self, x, attention_mask=None, need_weights=False, packing=None, x_rows=None):
+        """`x_rows`: x as ops.QuantizedRows, for the int8 QKV GEMM (the LayerNorm before made them)."""
         p = self.dropout_p if self.training else 0.0
+        gemm_input = x if x_rows is None else x_rows
         if packing is not None:  # x [T, H], packed tokens
-            q, k, v = self.project(x)  # 3 x [T, heads, d]
+            q, k, v = self.project(gemm_input)  # 3 x [T, heads, d]
             context = ops.varlen_attention(q, k, v, packing.cu_seqlens, packing.max_seqlen, dropout_p=p)
             return context.reshape(x.shape), None  # [T, H]
         b, s, h = x.shape
-        q, k, v = self.project(x)  # 3 x [B, heads, S, d]
+        q, k, v = self.project(gemm_input)  # 3 x [B, heads, S, d]
         out = ops.attention(q, k, v, attention_mask, dropout_p=p, need_weights=need_weights)
         context, probs = out if need_weights else (out, None)
         return context.transpose(1, 2).reshape(b, s, h), probs  # [B, S, H], [B, heads, S, S] or None
@@ -125,10 +132,12 @@ class BertSelfOutput(nn.Module):
         self.dropout_p = config.hidden_dropout_prob
         self.prepared = ops.PreparedWeights()
 
-    def forward(self, hidden, residual):
+    def forward(self, hidden, residual, quantize_output=False):
+        """LayerNorm(dense(hidden) + residual); with `quantize_output` (out, out as ops.QuantizedRows)."""
         y = linear(self.dense, hidden, prepared=self.prepared)
         p = self.dropout_p if self.training else 0.0
-        return ops.add_layer_norm(y, residual, self.LayerNorm.weight, self.LayerNorm.bias, self.LayerNorm.eps, p)
+        return ops.add_layer_norm(y, residual, self.LayerNorm.weight, self.LayerNorm.bias, self.LayerNorm.eps, p,
+                                  quantize_output)
 
 
 class BertAttention(nn.Module):
@@ -137,9 +146,9 @@ class BertAttention(nn.Module):
         self.self = BertSelfAttention(config)
         self.output = BertSelfOutput(config)
 
-    def forward(self, x, attention_mask=None, need_weights=False, packing=None):
-        context, probs = self.self(x, attention_mask, need_weights, packing)
-        return self.output(context, x), probs
+    def forward(self, x, attention_mask=None, need_weights=False, packing=None, x_rows=None, quantize_output=False):
+        context, probs = self.self(x, attention_mask, need_weights, packing, x_rows)
+        return self.output(context, x, quantize_output), probs
 
 
 class BertIntermediate(nn.Module):
@@ -166,12 +175,22 @@ class BertLayer(nn.Module):
         self.intermediate = BertIntermediate(config)
         self.output = BertOutput(config)
 
-    def forward(self, x, attention_mask=None, need_weights=False, packing=None):
-        x, probs = self.attention(x, attention_mask, need_weights, packing)
-        # Dynamic int8 FFN: the GELU's output goes to the second GEMM quantized, never as floats.
-        rows = (isinstance(self.intermediate.dense, Int8Linear) and isinstance(self.output.dense, Int8Linear)
-                and self.output.dense.takes_quantized_rows)
-        return self.output(self.intermediate(x, quantize_output=rows), x), probs
+    def takes_quantized_rows(self) -> bool:
+        """Whether its input may come as ops.QuantizedRows too (its QKV GEMM is dynamic int8)."""
+        attention = self.attention.self
+        return not self.training and all(takes_rows(m) for m in (attention.query, attention.key, attention.value))
+
+    def forward(self, x, attention_mask=None, need_weights=False, packing=None, x_rows=None, quantize_output=False):
+        """-> (out, attention probabilities or None, out as ops.QuantizedRows or None). `x_rows`: x quantized,
+        from the layer before; `quantize_output`: the next layer takes its input quantized."""
+        # Dynamic int8: each GEMM's input arrives quantized from the kernel before it (LayerNorm or GELU),
+        # never as a float tensor read again to quantize it.
+        ffn_rows = not self.training and takes_rows(self.intermediate.dense)
+        out, probs = self.attention(x, attention_mask, need_weights, packing, x_rows, ffn_rows)
+        x, x_rows = out if ffn_rows else (out, None)
+        hidden = self.intermediate(x if x_rows is None else x_rows, quantize_output=takes_rows(self.output.dense))
+        out, out_rows = self.output(hidden, x, quantize_output) if quantize_output else (self.output(hidden, x), None)
+        return out, probs, out_rows
 
 
 class BertEncoder(nn.Module):
@@ -187,11 +206,14 @@ class BertEncoder(nn.Module):
         # Checkpointing keeps only each layer's input for backward and recomputes the layer there
         # (dropout masks too: checkpoint restores the RNG state). Pointless without a backward.
         recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
-        for layer in self.layer:
+        rows = None  # x as ops.QuantizedRows, where the layer that made x quantized it for the next one
+        for i, layer in enumerate(self.layer):
             if recompute:
-                x, probs = recompute_in_backward(layer, x, attention_mask, output_attentions, packing, use_reentrant=False)
+                x, probs, rows = recompute_in_backward(layer, x, attention_mask, output_attentions, packing,
+                                                       use_reentrant=False)
             else:
-                x, probs = layer(x, attention_mask, output_attentions, packing)
+                quantize = i + 1 < len(self.layer) and self.layer[i + 1].takes_quantized_rows()
+                x, probs, rows = layer(x, attention_mask, output_attentions, packing, rows, quantize)
             if output_hidden_states:
                 hidden_states.append(restore(x))
             if output_attentions:

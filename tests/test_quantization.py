@@ -76,6 +76,33 @@ def test_random_bert_base_last_hidden_state_close_to_float(dtype, padded):
     assert err <= INT8.hidden_rel_err, f"rel err {err:.4f}"
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["full", "padded"])
+def test_gemm_inputs_arrive_quantized_and_change_nothing(padded, monkeypatch):
+    """Each int8 GEMM but the attention output's takes its input as QuantizedRows from the kernel before
+    (LayerNorm or the GELU epilogue); the result is bit-equal to quantizing float inputs in the GEMM."""
+    skip_unless_runnable("quantized_dense", "cpu", torch.float32)
+    config = small_config()
+    model = fastbert.quantize(fastbert.BertModel(config))
+    ids = torch.randint(5, config.vocab_size, (2, 24))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, 9:] = 0
+    inputs = []
+    real = fastbert.quantization.ops.quantized_dense
+    monkeypatch.setattr(fastbert.quantization.ops, "quantized_dense",
+                        lambda x, *a, **k: inputs.append(isinstance(x, fastbert.ops.QuantizedRows)) or real(x, *a, **k))
+    with torch.inference_mode():
+        fused = model(ids, attention_mask=mask).last_hidden_state
+        quantized_inputs = sum(inputs)
+        monkeypatch.setattr(fastbert.model, "takes_rows", lambda module: False)
+        monkeypatch.setattr(fastbert.model.BertLayer, "takes_quantized_rows", lambda self: False)
+        inputs.clear()
+        separate = model(ids, attention_mask=mask).last_hidden_state
+    # Per layer QKV (not the first layer's: the embeddings' LayerNorm does not quantize), FFN in, FFN out.
+    assert quantized_inputs == 3 * config.num_hidden_layers - 1 and sum(inputs) == 0
+    assert torch.equal(fused, separate)
+
+
 def test_quantize_replaces_every_encoder_linear_and_freezes():
     model = fastbert.BertForSequenceClassification(small_config(num_labels=3))
     fastbert.quantize(model)

@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "dropout.h"
+#include "quantize.h"
 #include "vec.h"
 
 namespace fastbert {
@@ -43,6 +44,14 @@ inline void zero_past(int64_t m, VecF& a, VecF& b) {
   }
 }
 
+// Where an int8 GEMM reads the output next (inference): each row also quantized to uint8 as
+// quantize_rows does it, while the row is still in L1, instead of in a second pass over memory.
+struct RowQuantization {
+  uint8_t* q;
+  float* scale;
+  int32_t* zero_point;
+};
+
 // One pass for the statistics, one for the output; x and residual are re-read (from L1) rather than h
 // being stored, and weight and bias are converted once per thread. The sums are taken around `shift`,
 // about the mean of the row's first block (kBlock = 32 elements with AVX-512, 16 with AVX2): for an
@@ -52,7 +61,7 @@ inline void zero_past(int64_t m, VecF& a, VecF& b) {
 // LayerNorm does; so E[d^2] is never more than twice the variance it yields.
 template <typename T>
 void forward(const T* x, const T* res, const T* w, const T* b, T* y, float* mean_out, float* rstd_out,
-             int64_t rows, int64_t n, float eps, const Dropout& dropout) {
+             int64_t rows, int64_t n, float eps, const Dropout& dropout, const RowQuantization* quantized = nullptr) {
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> mult, wf(n), bf(n);  // weight and bias as float once per thread
@@ -118,6 +127,8 @@ void forward(const T* x, const T* res, const T* w, const T* b, T* y, float* mean
         load2(bf.data() + j, m, b0, b1);
         store2(yr + j, m, at::vec::fmadd((h0 - vmean) * vrstd, w0, b0), at::vec::fmadd((h1 - vmean) * vrstd, w1, b1));
       });
+      if (quantized != nullptr)
+        quantize_row(yr, n, quantized->q + r * n, quantized->scale + r, quantized->zero_point + r);
     }
   });
 }
@@ -201,9 +212,9 @@ Dropout make_dropout(double p, int64_t seed) {
   return Dropout{float(p), uint64_t(seed)};
 }
 
-void add_layer_norm_fwd(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
-                        const at::Tensor& bias, double eps, double dropout_p, int64_t seed, const at::Tensor& out,
-                        const at::Tensor& mean, const at::Tensor& rstd) {
+void checked_forward(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, const at::Tensor& bias,
+                     double eps, double dropout_p, int64_t seed, const at::Tensor& out, const at::Tensor& mean,
+                     const at::Tensor& rstd, const RowQuantization* quantized) {
   const Dropout dropout = make_dropout(dropout_p, seed);
   const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
   TORCH_CHECK(x.is_contiguous(), "add_layer_norm: x must be contiguous");
@@ -216,14 +227,36 @@ void add_layer_norm_fwd(const at::Tensor& x, const at::Tensor& residual, const a
   check_stats(rstd, rows, "rstd");
   if (x.scalar_type() == at::kFloat) {
     forward(x.data_ptr<float>(), residual.data_ptr<float>(), weight.data_ptr<float>(), bias.data_ptr<float>(),
-            out.data_ptr<float>(), mean.data_ptr<float>(), rstd.data_ptr<float>(), rows, n, (float)eps, dropout);
+            out.data_ptr<float>(), mean.data_ptr<float>(), rstd.data_ptr<float>(), rows, n, (float)eps, dropout,
+            quantized);
   } else if (x.scalar_type() == at::kBFloat16) {
     forward(x.data_ptr<at::BFloat16>(), residual.data_ptr<at::BFloat16>(), weight.data_ptr<at::BFloat16>(),
             bias.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), mean.data_ptr<float>(),
-            rstd.data_ptr<float>(), rows, n, (float)eps, dropout);
+            rstd.data_ptr<float>(), rows, n, (float)eps, dropout, quantized);
   } else {
     TORCH_CHECK(false, "add_layer_norm: dtype ", x.scalar_type(), " (supported: float32, bfloat16)");
   }
+}
+
+void add_layer_norm_fwd(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                        const at::Tensor& bias, double eps, double dropout_p, int64_t seed, const at::Tensor& out,
+                        const at::Tensor& mean, const at::Tensor& rstd) {
+  checked_forward(x, residual, weight, bias, eps, dropout_p, seed, out, mean, rstd, nullptr);
+}
+
+// Inference: the output and its per-row uint8 quantization (no dropout, no statistics kept).
+void add_layer_norm_quantize(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                             const at::Tensor& bias, double eps, const at::Tensor& out, const at::Tensor& q,
+                             const at::Tensor& q_scale, const at::Tensor& q_zero_point) {
+  const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
+  TORCH_CHECK(q.sizes() == x.sizes() && q.is_contiguous() && q.scalar_type() == at::kByte,
+              "add_layer_norm_quantize: q must be uint8 shaped like x");
+  check_stats(q_scale, rows, "q_scale");
+  TORCH_CHECK(q_zero_point.numel() == rows && q_zero_point.is_contiguous() && q_zero_point.scalar_type() == at::kInt,
+              "add_layer_norm_quantize: q_zero_point must be int32 [rows]");
+  const RowQuantization quantized{q.data_ptr<uint8_t>(), q_scale.data_ptr<float>(), q_zero_point.data_ptr<int32_t>()};
+  auto stats = at::empty({2, rows}, x.options().dtype(at::kFloat));
+  checked_forward(x, residual, weight, bias, eps, 0.0, 0, out, stats[0], stats[1], &quantized);
 }
 
 void add_layer_norm_bwd(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& residual,
@@ -265,4 +298,5 @@ void add_layer_norm_bwd(const at::Tensor& grad, const at::Tensor& x, const at::T
 TORCH_LIBRARY_IMPL(fastbert_C, CPU, m) {
   m.impl("add_layer_norm_fwd", &fastbert::add_layer_norm_fwd);
   m.impl("add_layer_norm_bwd", &fastbert::add_layer_norm_bwd);
+  m.impl("add_layer_norm_quantize", &fastbert::add_layer_norm_quantize);
 }

@@ -5,13 +5,16 @@ import torch
 
 from fastbert import dispatch
 from fastbert.ops import _alloc, _checks, reference
-from fastbert.ops._op import OpSpec, by_device
+from fastbert.ops._op import OpSpec, by_device, needs_grad
 from fastbert.ops._seed import dropout_seed, seed_int
+from fastbert.ops.reference import QuantizedRows
 
 
 @dispatch.follows_autocast
-def add_layer_norm(x, residual, weight, bias, eps: float, dropout_p: float = 0.0) -> torch.Tensor:
-    """x, residual [..., N]; weight, bias [N]. Statistics over the last dimension."""
+def add_layer_norm(x, residual, weight, bias, eps: float, dropout_p: float = 0.0, quantize_output: bool = False):
+    """x, residual [..., N]; weight, bias [N]. Statistics over the last dimension. `quantize_output`
+    (inference, int8 models): returns (out, out as QuantizedRows), the rows quantized while the kernel
+    still holds them, for the quantized_dense that reads them next."""
     _checks.tensor("x", x, (1, 2, 3))
     _checks.tensor("residual", residual, (1, 2, 3))
     _checks.tensor("weight", weight, (1,))
@@ -23,13 +26,26 @@ def add_layer_norm(x, residual, weight, bias, eps: float, dropout_p: float = 0.0
     if not eps > 0:
         raise ValueError(f"eps must be positive, got {eps}")
     _checks.probability("dropout_p", dropout_p)
-    inputs = {"tensors": (x, residual, weight, bias), "dropout_p": dropout_p}
-    return dispatch.call("add_layer_norm", inputs, x, residual, weight, bias, float(eps), float(dropout_p))
+    if quantize_output:
+        if torch.compiler.is_compiling():
+            raise NotImplementedError("int8 models run eagerly: torch.compile of add_layer_norm's quantize_output "
+                                      "is not supported yet")
+        if dropout_p > 0 or needs_grad(x, residual, weight, bias):
+            raise ValueError("quantize_output is for inference: it needs dropout_p == 0 and no gradient "
+                             "(run under torch.no_grad() or torch.inference_mode())")
+    inputs = {"tensors": (x, residual, weight, bias), "dropout_p": dropout_p, "quantize_output": quantize_output}
+    return dispatch.call("add_layer_norm", inputs, x, residual, weight, bias, float(eps), float(dropout_p),
+                         bool(quantize_output))
 
 
-dispatch.register("add_layer_norm", "reference", dispatch.Support(("cpu", "cuda"), dispatch.FLOATS))(
-    reference.add_layer_norm
-)
+@dispatch.register("add_layer_norm", "reference",
+                   dispatch.Support(("cpu", "cuda"), dispatch.FLOATS, quantized_output=True))
+def _reference(x, residual, weight, bias, eps, dropout_p, quantize_output):
+    out = reference.add_layer_norm(x, residual, weight, bias, eps, dropout_p)
+    if not quantize_output:
+        return out
+    q, scale, zero_point = reference.quantize_rows(out.reshape(-1, out.shape[-1]))
+    return out, QuantizedRows(q.view(out.shape), scale, zero_point, out.dtype)
 
 
 def _statistics(x):
@@ -90,12 +106,26 @@ def _cxx_backward(grad, x, residual, weight, mean, rstd, dropout_p, seed):
 CXX = SPEC.kernels("cxx", _cxx_forward, _cxx_backward, by_device)
 
 
-def _cxx(x, residual, weight, bias, eps, dropout_p):
+def _cxx(x, residual, weight, bias, eps, dropout_p, quantize_output=False):
     # On CUDA too the seed stays on the CPU: reading it into the kernel's arguments never waits for the GPU.
     return CXX(x, residual, weight, bias, eps, dropout_p, dropout_seed(dropout_p))[0]
 
 
-dispatch.register("add_layer_norm", "cpu", dispatch.Support(("cpu",), (torch.float32, torch.bfloat16)))(_cxx)
+@dispatch.register("add_layer_norm", "cpu",
+                   dispatch.Support(("cpu",), (torch.float32, torch.bfloat16), quantized_output=True))
+def _cpu(x, residual, weight, bias, eps, dropout_p, quantize_output):
+    if not quantize_output:
+        return _cxx(x, residual, weight, bias, eps, dropout_p)
+    x, residual = x.contiguous(), residual.contiguous()
+    rows = x.numel() // x.shape[-1]
+    out = _alloc.empty(x.shape, dtype=x.dtype, device=x.device)
+    quantized = QuantizedRows(_alloc.empty(x.shape, dtype=torch.uint8, device=x.device),
+                              _alloc.empty(rows, dtype=torch.float32, device=x.device),
+                              _alloc.empty(rows, dtype=torch.int32, device=x.device), x.dtype)
+    torch.ops.fastbert_C.add_layer_norm_quantize(x, residual, weight.contiguous(), bias.contiguous(), eps, out,
+                                                 *quantized[:3])
+    return out, quantized
+
 # Last dimension <= 8192 on CUDA.
 dispatch.register("add_layer_norm", "cuda",
                   dispatch.Support(("cuda",), (torch.float16, torch.bfloat16, torch.float32)))(_cxx)
@@ -129,5 +159,5 @@ TRITON = SPEC.kernels("triton", _triton_forward, _triton_backward, "triton")
 
 @dispatch.register("add_layer_norm", "triton",
                    dispatch.Support(("cuda", "cpu"), (torch.float16, torch.bfloat16, torch.float32)))
-def _triton(x, residual, weight, bias, eps, dropout_p):
+def _triton(x, residual, weight, bias, eps, dropout_p, quantize_output=False):
     return TRITON(x, residual, weight, bias, eps, dropout_p, dropout_seed(dropout_p, x.device))[0]

@@ -377,3 +377,41 @@ def test_cuda_rejects_rows_over_8192_clearly():
     w = torch.ones(8193, device="cuda")
     with pytest.raises(RuntimeError, match="at most 8192"):
         _cxx(x, x, w, w, 0.0, 0)
+
+
+# ------------------------------------------------------------------------------ quantize_output (int8 models)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("shape", [(1, 7), (13, 384), (2, 9, 768), (3, 1000)], ids=str)
+def test_quantized_output_is_the_output_quantized_per_row(shape, dtype, backend):
+    skip_unless_runnable("add_layer_norm", backend, dtype)
+    n = shape[-1]
+    x, residual = torch.randn(shape).to(dtype), (torch.randn(shape) * 3 + torch.randn(*shape[:-1], 1)).to(dtype)
+    weight, bias = (1 + 0.1 * torch.randn(n)).to(dtype), torch.randn(n).to(dtype)
+    with torch.no_grad(), dispatch.use_backend(backend, op="add_layer_norm"), poison_outputs(), \
+            dispatch.record() as calls:
+        out, rows = ops.add_layer_norm(x, residual, weight, bias, 1e-12, quantize_output=True)
+        plain = ops.add_layer_norm(x, residual, weight, bias, 1e-12)
+    assert_ran(calls, "add_layer_norm", backend)
+    assert torch.equal(out, plain)  # the same output, whether or not it is quantized too
+    assert isinstance(rows, ops.QuantizedRows) and rows.dtype == dtype and rows.values.shape == shape
+    q, scale, zero_point = reference.quantize_rows(out.reshape(-1, n))
+    assert torch.equal(rows.values.reshape(-1, n), q)  # exactly quantize_rows' bytes
+    assert torch.equal(rows.scale, scale) and torch.equal(rows.zero_point, zero_point)
+
+
+def test_quantized_output_refuses_training():
+    x, residual, weight, bias = torch.randn(4, 8), torch.randn(4, 8), torch.ones(8), torch.zeros(8)
+    with pytest.raises(ValueError, match="quantize_output is for inference"):
+        ops.add_layer_norm(x, residual, weight, bias, 1e-5, dropout_p=0.1, quantize_output=True)
+    with pytest.raises(ValueError, match="quantize_output is for inference"):
+        ops.add_layer_norm(x, residual, weight.requires_grad_(), bias, 1e-5, quantize_output=True)
+
+
+def test_quantized_output_is_not_served_by_triton():
+    skip_unless_runnable("add_layer_norm", "triton", torch.float32)
+    reasons = dispatch.not_supported_reasons("add_layer_norm", "triton", {
+        "tensors": (torch.randn(2, 8),), "quantize_output": True}, forced=True)
+    assert reasons == ["quantize_output (this backend cannot return its output as QuantizedRows)"]
