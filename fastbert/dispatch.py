@@ -20,7 +20,8 @@ from typing import Callable
 
 import torch
 
-from fastbert.records import Call, note, record  # noqa: F401  (fastbert.dispatch.record() is public)
+from fastbert import tuning
+from fastbert.records import Call, muted, note, record  # noqa: F401  (fastbert.dispatch.record() is public)
 
 logger = logging.getLogger("fastbert")
 
@@ -107,6 +108,7 @@ def register(op: str, backend: str, support: Support, extra_reasons=None):
 
     def wrap(fn):
         _REGISTRY[op][backend] = Impl(fn, support, extra_reasons)
+        _VARIANTS.pop((op, backend), None)
         _choices.clear()
         return fn
 
@@ -121,7 +123,7 @@ def implementations(op: str) -> dict[str, Impl]:
 def scratch_registry():
     """Inside the block register() may put stand-in backends in; afterwards the registry is as it was,
     and remembered choices and logged fallbacks are forgotten (for tests)."""
-    saved = {op: dict(impls) for op, impls in _REGISTRY.items()}
+    saved, saved_variants = {op: dict(impls) for op, impls in _REGISTRY.items()}, dict(_VARIANTS)
     _logged.clear()
     try:
         yield
@@ -129,7 +131,10 @@ def scratch_registry():
         for op, impls in saved.items():
             _REGISTRY[op].clear()
             _REGISTRY[op].update(impls)
+        _VARIANTS.clear()
+        _VARIANTS.update(saved_variants)
         _choices.clear()
+        _picked.clear()
         _logged.clear()
 
 
@@ -193,6 +198,8 @@ def not_supported_reasons(op: str, backend: str, inputs: dict | Facts, forced: b
         reasons.append("quantize_output (this backend cannot return its output as QuantizedRows)")
     if impl.extra_reasons is not None:
         reasons.extend(impl.extra_reasons(f))
+    if not reasons:
+        reasons.extend(_variant_reasons(op, backend, f))
     return reasons
 
 
@@ -262,16 +269,35 @@ _choices: dict[tuple, tuple[str, dict[str, list[str]]]] = {}
 
 def select(op: str, inputs: dict | Facts) -> tuple[str, dict[str, list[str]]]:
     """The backend that runs `op` on `inputs`, and the reasons of each backend passed over."""
+    return _selection(op, inputs)[:2]
+
+
+def _selection(op: str, inputs: dict | Facts) -> tuple[str, dict[str, list[str]], tuple["Variant", ...], tuple]:
+    """select()'s answer, the backend's variants that can serve the call, and the call's cache key."""
     if isinstance(inputs, dict) and not torch.compiler.is_compiling():
         # torch.device, not .type: the key is built on every call and .type costs a string each time.
         key = (op, tuple([(t.device, t.dtype) for t in inputs.get("tensors", ()) if t is not None]),
                inputs.get("head_dim"), inputs.get("dropout_p", 0.0) > 0, bool(inputs.get("need_weights", False)),
-               bool(inputs.get("quantize_output", False)), forced_backend(op))
+               bool(inputs.get("quantize_output", False)), forced_backend(op), forced_variant(op))
         choice = _choices.get(key)
         if choice is None:
-            choice = _choices[key] = _select_uncached(op, facts(inputs))
+            f = facts(inputs)
+            backend, skipped = _select_uncached(op, f)
+            choice = _choices[key] = (backend, skipped, usable_variants(op, backend, f)[0], key)
         return choice
-    return _select_uncached(op, inputs if isinstance(inputs, Facts) else facts(inputs))
+    f = inputs if isinstance(inputs, Facts) else facts(inputs)
+    backend, skipped = _select_uncached(op, f)
+    names = _usable_names(op, backend, f.devices, tuple(_dtype_name(d) for d in f.dtypes), f.head_dim, f.dropout,
+                          f.need_weights, f.quantize_output)
+    table = _VARIANTS.get((op, backend))
+    return backend, skipped, tuple(v for v in table.options if v.name in names) if table else (), None
+
+
+@torch.compiler.assume_constant_result
+def _usable_names(op, backend, devices, dtype_names, head_dim, dropout, need_weights, quantize_output) -> tuple[str, ...]:
+    """usable_variants' names, as a constant while tracing (its checks call functions dynamo skips)."""
+    f = Facts(devices, tuple(getattr(torch, d) for d in dtype_names), head_dim, dropout, need_weights, quantize_output)
+    return tuple(v.name for v in usable_variants(op, backend, f)[0])
 
 
 def _select_uncached(op: str, f: Facts) -> tuple[str, dict[str, list[str]]]:
@@ -321,10 +347,132 @@ def prefers_varlen(x: torch.Tensor, head_dim: int, dropout_p: float) -> bool:
 
 
 def call(op: str, inputs: dict, *args, **kwargs):
-    """Select a backend for `op`, run it, and record the choice."""
-    backend, skipped = select(op, inputs)
-    note(op, backend, skipped)
-    return _REGISTRY[op][backend].fn(*args, **kwargs)
+    """Select a backend for `op` (and of its variants, where it has several), run it, and record the choice."""
+    backend, skipped, usable, key = _selection(op, inputs)
+    if not usable:
+        note(op, backend, skipped)
+        return _REGISTRY[op][backend].fn(*args, **kwargs)
+    variant = _choose_variant(op, backend, usable, key, args)
+    note(op, backend, skipped, variant.name)
+    return variant.fn(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------------
+# Variants: a backend's alternative implementations of one op (the cpu backend's own kernel, oneDNN's,
+# torch's built-in), each parity-tested like a backend. Which one runs is chosen per kind of call:
+# forced (use_variant(), FASTBERT_VARIANT_<OP>), else the fastest as measured once on this machine
+# (fastbert/tuning.py; FASTBERT_CPU_TUNE=0: no measuring), else the first that can serve (the static
+# default). Only eager calls measure; while tracing for torch.compile the static default is baked in.
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    fn: Callable
+    reasons: Callable[[Facts], list[str]] | None = None  # why it cannot serve a call (machine or call facts)
+
+
+@dataclass(frozen=True)
+class Variants:
+    options: tuple[Variant, ...]  # the static default first
+    bucket: Callable[..., tuple]  # the call's arguments -> its shape class: one measurement per class
+
+
+_VARIANTS: dict[tuple[str, str], Variants] = {}
+_picked: dict[tuple, Variant] = {}  # (selection key, bucket, training) -> the variant measured fastest
+
+
+def register_variants(op: str, backend: str, options, bucket) -> None:
+    """`backend`'s implementations of `op` (Variant, static default first) replace its registered
+    function at call time; `bucket(*args)` is a call's shape class."""
+    if backend not in _REGISTRY[op]:
+        raise ValueError(f"register {op}'s {backend} backend before its variants")
+    _VARIANTS[(op, backend)] = Variants(tuple(options), bucket)
+    _choices.clear()
+    _picked.clear()
+
+
+def size_class(n: int) -> int:
+    """The power of two at or above n: calls of sizes in one class share a measurement."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def variant_names(op: str, backend: str) -> tuple[str, ...]:
+    table = _VARIANTS.get((op, backend))
+    return tuple(v.name for v in table.options) if table else ()
+
+
+def usable_variants(op: str, backend: str, f: Facts) -> tuple[tuple[Variant, ...], dict[str, list[str]]]:
+    """The variants of `backend` that can serve a call with facts `f` (empty where it has none), and why
+    each other cannot. A forced variant that cannot serve raises BackendUnavailable."""
+    table = _VARIANTS.get((op, backend))
+    if table is None:
+        return (), {}
+    why = {v.name: v.reasons(f) for v in table.options if v.reasons is not None}
+    usable = tuple(v for v in table.options if not why.get(v.name))
+    forced = forced_variant(op)
+    if forced is not None:
+        name, where = forced
+        if name not in variant_names(op, backend):
+            raise BackendUnavailable(f"{op}: variant {name!r} was forced ({where}) but {backend} has only "
+                                     f"{', '.join(variant_names(op, backend))}")
+        if why.get(name):
+            raise BackendUnavailable(f"{op}: variant {name!r} was forced ({where}) but cannot serve this call: "
+                                     + "; ".join(why[name]))
+        usable = tuple(v for v in usable if v.name == name)
+    return usable, {name: r for name, r in why.items() if r}
+
+
+def _variant_reasons(op: str, backend: str, f: Facts) -> list[str]:
+    """Why none of `backend`'s variants can serve (then the backend cannot); empty otherwise."""
+    table = _VARIANTS.get((op, backend))
+    if table is None or forced_variant(op) is not None:
+        return []
+    usable, why = usable_variants(op, backend, f)
+    return [] if usable else [f"{name}: {', '.join(r)}" for name, r in why.items()]
+
+
+def _choose_variant(op: str, backend: str, usable: tuple[Variant, ...], key, args) -> Variant:
+    if len(usable) == 1 or key is None or torch.compiler.is_compiling() or not tuning.enabled():
+        return usable[0]
+    training = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+    bucket = _VARIANTS[(op, backend)].bucket(*args)
+    picked = _picked.get((key, bucket, training))
+    if picked is None:
+        dtypes = "/".join(sorted({_dtype_name(d) for _, d in key[1] if d.is_floating_point}))
+        name = f"{op} {backend} {dtypes} {'train' if training else 'infer'} " + " ".join(map(str, bucket))
+        with muted():  # the trial runs are not calls anyone made
+            best = tuning.choose(name, {v.name: v.fn for v in usable}, args, training)
+        picked = _picked[(key, bucket, training)] = next(v for v in usable if v.name == best)
+    return picked
+
+
+def _override_variants() -> list[tuple[str, str]]:
+    if not hasattr(_local, "variants"):
+        _local.variants = []
+    return _local.variants
+
+
+@contextlib.contextmanager
+def use_variant(op: str, name: str):
+    """Force variant `name` of whichever backend runs `op` inside the block (this thread)."""
+    if op not in OPS:
+        raise ValueError(f"use_variant: unknown op {op!r} (known: {', '.join(OPS)})")
+    stack = _override_variants()
+    stack.append((op, name))
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def forced_variant(op: str) -> tuple[str, str] | None:
+    """(variant, where it was forced) for `op`: the innermost use_variant(), then FASTBERT_VARIANT_<OP>."""
+    for only, name in reversed(_override_variants()):
+        if only == op:
+            return name, "use_variant()"
+    value = os.environ.get(f"FASTBERT_VARIANT_{op.upper()}")
+    return (value.strip().lower(), f"FASTBERT_VARIANT_{op.upper()}") if value else None
 
 
 def follows_autocast(public_op):

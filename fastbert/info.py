@@ -6,27 +6,7 @@ import platform
 import torch
 
 from fastbert import dispatch
-
-
-ISA_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
-                "amx_int8")
-
-
-def cpu() -> dict:
-    """The CPU's model name and which of ISA_FEATURES it has (from /proc/cpuinfo; empty elsewhere)."""
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    model = value.strip()
-                elif key.strip() == "flags":
-                    flags = set(value.split())
-                    break
-    except OSError:
-        pass
-    return {"model": model, "features": [f for f in ISA_FEATURES if f in flags]}
+from fastbert.tuning import ISA_FEATURES, cpu  # noqa: F401  (info.cpu is public)
 
 
 def cpu_line() -> str:
@@ -81,4 +61,27 @@ def report() -> str:
         pass
     lines.append("Priority (first that can serve a call wins): " + " > ".join(dispatch.BACKENDS))
     lines.append("Force with FASTBERT_BACKEND=<backend>, FASTBERT_BACKEND_<OP>=<backend> or fastbert.use_backend(...).")
+    lines += ["", *variants_report()]
     return "\n".join(lines)
+
+
+def variants_report() -> list[str]:
+    """The cpu backend's variants per op, which this machine can run, and what measuring chose so far."""
+    from fastbert import tuning
+
+    lines = ["Variants of the cpu backend (static default first; the fastest is measured once per kind of call "
+             f"and cached: {'on' if tuning.enabled() else 'off, FASTBERT_CPU_TUNE=0'}; cache {tuning.cache_path()}):"]
+    facts = dispatch.Facts(("cpu",), (torch.float32,))
+    for op in dispatch.OPS:
+        names = dispatch.variant_names(op, "cpu")
+        if names:
+            _, why = dispatch.usable_variants(op, "cpu", facts)
+            cells = [name + (f" (unavailable: {'; '.join(why[name])})" if name in why else "") for name in names]
+            lines.append(f"  {op}: {', '.join(cells)}")
+    lines.append("  Force one with FASTBERT_VARIANT_<OP>=<variant> or fastbert.dispatch.use_variant(op, variant).")
+    measured = tuning.entries()
+    lines.append(f"Measured on this machine ({tuning.machine()}): " + ("none yet" if not measured else ""))
+    for key, entry in sorted(measured.items()):
+        times = ", ".join(f"{name} {ms:.3g} ms" for name, ms in sorted(entry.get("ms", {}).items()))
+        lines.append(f"  {key}: {entry.get('choice')} ({times})")
+    return lines

@@ -11,11 +11,13 @@ import torch
 
 
 class Call(tuple):
-    """(op, backend), equal to a plain 2-tuple; `.skipped` maps each passed-over backend to its reasons."""
+    """(op, backend), equal to a plain 2-tuple; `.skipped` maps each passed-over backend to its reasons;
+    `.variant` names which of the backend's implementations ran, where it has several (else None)."""
 
-    def __new__(cls, op: str, backend: str, skipped: dict[str, list[str]] | None = None):
+    def __new__(cls, op: str, backend: str, skipped: dict[str, list[str]] | None = None, variant: str | None = None):
         self = super().__new__(cls, (op, backend))
         self.skipped = skipped or {}
+        self.variant = variant
         return self
 
     @property
@@ -44,11 +46,25 @@ def record():
             _active_records[:] = [c for c in _active_records if c is not calls]
 
 
-def note(op: str, backend: str, skipped: dict[str, list[str]] | None = None) -> None:
-    """Record that `backend` ran `op` (backward passes note `op + '.backward'`)."""
-    if not _active_records or torch.compiler.is_compiling():
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def muted():
+    """Nothing this thread runs inside the block is recorded (dispatch's trial runs while measuring)."""
+    before = getattr(_local, "muted", False)
+    _local.muted = True
+    try:
+        yield
+    finally:
+        _local.muted = before
+
+
+def note(op: str, backend: str, skipped: dict[str, list[str]] | None = None, variant: str | None = None) -> None:
+    """Record that `backend` (its `variant`) ran `op` (backward passes note `op + '.backward'`)."""
+    if not _active_records or torch.compiler.is_compiling() or getattr(_local, "muted", False):
         return
-    call = Call(op, backend, skipped)
+    call = Call(op, backend, skipped, variant)
     with _records_lock:
         for calls in _active_records:
             calls.append(call)

@@ -7,6 +7,11 @@ import tempfile
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Each op's static default variant, so a test sees the same implementation on every CPU (tests/test_tuning.py
+# turns measuring on), and never the user's cache of measurements.
+os.environ.setdefault("FASTBERT_CPU_TUNE", "0")
+os.environ["FASTBERT_CACHE_DIR"] = tempfile.mkdtemp(prefix="fastbert-cache-")
+atexit.register(shutil.rmtree, os.environ["FASTBERT_CACHE_DIR"], ignore_errors=True)
 # A compile cache of this run's own: torch's shared one (/tmp/torchinductor_$USER) can hand a checkout
 # the backward graph an earlier checkout at the same path compiled (a custom op's backward is traced from
 # Python that its cache key does not cover: seen after an op was renamed).

@@ -152,6 +152,28 @@ _CPU_SUPPORT = dispatch.Support(("cpu",), (torch.float32, torch.bfloat16))
 # CUDA: fp32 FMA tiles for now, no tensor cores.
 _CUDA_SUPPORT = dispatch.Support(("cuda",), (torch.float16, torch.bfloat16, torch.float32))
 dispatch.register("attention", "cpu", _CPU_SUPPORT)(_cxx)
+
+
+def _torch_sdpa(q, k, v, attention_mask, dropout_p, scale, need_weights):
+    """torch's own CPU attention (flash attention on ATen's brgemm: AMX tiles where the CPU has them);
+    a row with no kept key gives zeros there too."""
+    mask = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def _sdpa_reasons(f: dispatch.Facts) -> list[str]:
+    return ["dropout_p > 0 (torch's SDPA draws its own dropout mask, not fastbert's seeded one)"] if f.dropout else []
+
+
+def _attention_class(q, k, v, attention_mask, *_):
+    b, h, s, d = q.shape
+    return f"s{dispatch.size_class(s)}", f"d{d}", f"bh{dispatch.size_class(b * h)}", (
+        "masked" if attention_mask is not None else "unmasked")
+
+
+dispatch.register_variants("attention", "cpu", (dispatch.Variant("fastbert", _cxx),
+                                                 dispatch.Variant("torch", _torch_sdpa, _sdpa_reasons)),
+                           _attention_class)
 dispatch.register("varlen_attention", "cpu", _CPU_SUPPORT)(_cxx_varlen)
 dispatch.register("attention", "cuda", _CUDA_SUPPORT, _head_dim_reasons)(_cxx)
 dispatch.register("varlen_attention", "cuda", _CUDA_SUPPORT, _head_dim_reasons)(_cxx_varlen)

@@ -114,13 +114,29 @@ def onednn_pair_for(op: str):
     return dataclasses.replace(SPEC, name=op).kernels("onednn", _onednn_forward, _onednn_backward, "cpu")
 
 
-@dispatch.register("dense", "cpu", dispatch.Support(("cpu",), (torch.float32, torch.bfloat16)),
-                   extra_reasons=lambda facts: _onednn.missing())
+@dispatch.register("dense", "cpu", dispatch.Support(("cpu",), (torch.float32, torch.bfloat16)))
 def _cpu(x, weight, bias, activation, prepared):
     if activation != "none" and bias is not None and needs_grad(x, weight, bias):
         # Keep the pre-activation for backward: GEMM, then the bias_gelu kernel (saves x + bias's input).
         return bias_gelu_cxx(ONEDNN(x, weight, None, "none"), bias, approximation(activation))
     return onednn_linear(x, weight, bias, activation, prepared)
+
+
+def torch_linear(x, weight, bias, activation="none"):
+    """torch's own linear (MKL or oneDNN, as torch picks) and GELU: the built-in that dense replaces."""
+    y = torch.nn.functional.linear(x, weight, bias)
+    return y if activation == "none" else torch.nn.functional.gelu(y, approximate=approximation(activation))
+
+
+def linear_class(x, weight, *_):
+    """A linear call's shape class: rows by power of two, the weight's exact shape."""
+    return f"m{dispatch.size_class(x.numel() // max(x.shape[-1], 1))}", f"k{weight.shape[1]}", f"n{weight.shape[0]}"
+
+
+dispatch.register_variants("dense", "cpu", (
+    dispatch.Variant("onednn", _cpu, lambda facts: _onednn.missing()),
+    dispatch.Variant("torch", lambda x, weight, bias, activation, prepared: torch_linear(x, weight, bias, activation)),
+), lambda x, weight, bias, activation, prepared: (*linear_class(x, weight), activation))
 
 
 def onednn_linear(x, weight, bias, activation, prepared: PreparedWeights | None, pair=ONEDNN):

@@ -5,8 +5,8 @@ import torch
 
 from fastbert import dispatch
 from fastbert.ops import _alloc, _checks, _onednn, reference
-from fastbert.ops.dense import (linear_backward_fake, linear_input_grads, onednn_linear, onednn_pair_for,
-                                 triton_linear_backward)
+from fastbert.ops.dense import (linear_backward_fake, linear_class, linear_input_grads, onednn_linear, onednn_pair_for,
+                                 torch_linear, triton_linear_backward)
 from fastbert.ops._op import OpSpec
 from fastbert.ops.prepared import PreparedWeights
 
@@ -41,10 +41,16 @@ def _reference(x, weight, bias, num_heads, prepared):
 ONEDNN = onednn_pair_for("qkv_projection")
 
 
-@dispatch.register("qkv_projection", "cpu", dispatch.Support(("cpu",), (torch.float32, torch.bfloat16)),
-                   extra_reasons=lambda facts: _onednn.missing())
+@dispatch.register("qkv_projection", "cpu", dispatch.Support(("cpu",), (torch.float32, torch.bfloat16)))
 def _cpu(x, weight, bias, num_heads, prepared):
     return head_major(onednn_linear(x, weight, bias, "none", prepared, ONEDNN), num_heads)  # one GEMM
+
+
+dispatch.register_variants("qkv_projection", "cpu", (
+    dispatch.Variant("onednn", _cpu, lambda facts: _onednn.missing()),
+    dispatch.Variant("torch", lambda x, weight, bias, num_heads, prepared: head_major(
+        torch_linear(x, weight, bias), num_heads)),
+), lambda x, weight, *_: linear_class(x, weight))
 
 
 def head_major(qkv: torch.Tensor, num_heads: int):

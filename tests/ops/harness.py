@@ -9,6 +9,7 @@ kernel runs; each check asserts that the backend under test ran, forward and bac
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
@@ -111,16 +112,22 @@ def clones(args):
     return [a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args]
 
 
-def check_parity(spec: Spec, backend: str, dtype: torch.dtype, args, kwargs):
+def check_parity(spec: Spec, backend: str, dtype: torch.dtype, args, kwargs, variant: str | None = None):
     """The op on `backend` (asserted to have run, its backward too) equals the reference, forward and
-    every gradient; returns the outputs."""
-    with dispatch.use_backend(backend, op=spec.op), poison_outputs(), dispatch.record() as calls:
+    every gradient; returns the outputs. `variant`: that one of the backend's implementations, forced
+    (torch's built-ins have their own autograd: their backward is not recorded)."""
+    forced = dispatch.use_variant(spec.op, variant) if variant else contextlib.nullcontext()
+    with dispatch.use_backend(backend, op=spec.op), forced, poison_outputs(), dispatch.record() as calls:
         outs, grads, grad_outs = forward_backward(spec.public, args, kwargs)
     assert_ran([c for c in calls if c[0] == spec.op], spec.op, backend)
-    # Backward runs on the forward's backend (a composite kernel may record its parts' backwards).
-    backwards = [c for c in calls if c[0].endswith(".backward")]
-    assert backwards and {c[1] for c in backwards} == {backend}, f"backward calls: {backwards}"
-    assert spec.op + ".backward" in {c[0] for c in backwards}, f"{spec.op}'s backward not recorded: {backwards}"
+    if variant:
+        ran = {c.variant for c in calls if c[0] == spec.op}
+        assert ran == {variant}, f"{spec.op} ran variants {ran}, expected {variant!r}"
+    if variant != "torch":
+        # Backward runs on the forward's backend (a composite kernel may record its parts' backwards).
+        backwards = [c for c in calls if c[0].endswith(".backward")]
+        assert backwards and {c[1] for c in backwards} == {backend}, f"backward calls: {backwards}"
+        assert spec.op + ".backward" in {c[0] for c in backwards}, f"{spec.op}'s backward not recorded: {backwards}"
 
     ref_args = spec.ref_args(args)
     truth_outs, truth_grads, _ = forward_backward(spec.ref, upcast(*ref_args), kwargs, [g.double() for g in grad_outs])
@@ -431,6 +438,23 @@ def parity_tests(*specs):
         check_triton_interpreter_properties(spec)
 
     return test_parity, test_non_contiguous_inputs_work, test_properties, test_triton_interpreter_properties
+
+
+def variant_parity_test(*specs):
+    """test_variant_parity: each of the cpu backend's variants of each spec's op (its own kernel, oneDNN's,
+    torch's built-in), forced, on the parity grid: every one that dispatch may pick must equal the reference."""
+    pairs = [(spec, case, name) for spec in specs for name in dispatch.variant_names(spec.op, "cpu")
+             for case in spec.cases]
+    ids = [f"{spec.op}-{case.name}-{name}" for spec, case, name in pairs]
+
+    @pytest.mark.parametrize("dtype", CPU_DTYPES, ids=dtype_id)
+    @pytest.mark.parametrize("spec,case,variant", pairs, ids=ids)
+    def test_variant_parity(spec, case, variant, dtype):
+        device = skip_unless_runnable(spec.op, "cpu", dtype)
+        args, kwargs = case.make(dtype, device)
+        check_parity(spec, "cpu", dtype, args, kwargs, variant)
+
+    return test_variant_parity
 
 
 def opcheck_test(checks):

@@ -10,7 +10,7 @@ from grids import DTYPES, KERNEL_BACKENDS, skip_unless_runnable
 from harness import (CPU_DTYPES, SEEDS, Case, OpCheck, Spec, assert_independent, assert_keep_rate, bad_input_test,
                      check_case, check_example, check_with_mask, compare_cpu, cpu_keep_mask, cu_seqlens, dtype_id,
                      grid, leaf, needs_cpu_kernels, needs_cuda, opcheck_test, padding_mask, parity_tests, randn,
-                     seed_tensor, st)
+                     seed_tensor, st, variant_parity_test)
 
 MASKS = ("none", "lengths", "random", "one_kept", "fully_masked", "mixed")
 MASK_DTYPES = (torch.bool, torch.int64, torch.float32)
@@ -126,6 +126,7 @@ VARLEN = Spec("varlen_attention", ops.varlen_attention, reference.varlen_attenti
 # and hypothesis-drawn properties: harness.py.
 test_parity, test_non_contiguous_inputs_work, test_properties, test_triton_interpreter_properties = parity_tests(
     ATTENTION, VARLEN)
+test_variant_parity = variant_parity_test(ATTENTION)
 GRID, GRID_IDS = grid(ATTENTION, VARLEN)
 
 

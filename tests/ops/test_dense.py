@@ -4,7 +4,7 @@ import torch
 from fastbert import ops
 from fastbert.ops import reference
 from harness import (HIDDEN, INNER, SEEDS, SMALL_HIDDEN, Case, OpCheck, Spec, bad_input_test, opcheck_test,
-                     parity_tests, randn, st)
+                     parity_tests, randn, st, variant_parity_test)
 
 ACTIVATIONS = [dict(activation="none", approximate="none"), dict(activation="gelu", approximate="none"),
                dict(activation="gelu", approximate="tanh")]
@@ -44,6 +44,7 @@ SPEC = Spec("dense", ops.dense, reference.dense, "matmul", [
 # Parity on the grid (every case x backend x dtype, forward and every gradient), non-contiguous inputs,
 # and hypothesis-drawn properties: harness.py.
 test_parity, test_non_contiguous_inputs_work, test_properties, test_triton_interpreter_properties = parity_tests(SPEC)
+test_variant_parity = variant_parity_test(SPEC)
 
 
 def _rand(*shape):

@@ -4,7 +4,8 @@ import torch
 
 from fastbert import ops
 from fastbert.ops import reference
-from harness import SEEDS, Case, OpCheck, Spec, bad_input_test, opcheck_test, parity_tests, randn, st
+from harness import (SEEDS, Case, OpCheck, Spec, bad_input_test, opcheck_test, parity_tests, randn, st,
+                     variant_parity_test)
 
 
 def params(draw, small=False):
@@ -36,6 +37,7 @@ SPEC = Spec("qkv_projection", ops.qkv_projection, reference.qkv_projection, "mat
 # Parity on the grid (every case x backend x dtype, forward and every gradient), non-contiguous inputs,
 # and hypothesis-drawn properties: harness.py.
 test_parity, test_non_contiguous_inputs_work, test_properties, test_triton_interpreter_properties = parity_tests(SPEC)
+test_variant_parity = variant_parity_test(SPEC)
 
 
 def _rand(*shape):

@@ -1,0 +1,145 @@
+"""The per-machine measurements behind dispatch's choice among a backend's variants.
+
+Where a backend has more than one implementation of an op (the cpu backend's own kernel, oneDNN's,
+torch's built-in), the fastest differs from CPU to CPU: on a Xeon with AMX torch's SDPA runs bfloat16
+attention on tiles and beats a kernel tuned on AMD; on AMD the reverse. So the first eager call of each
+(op, variant key) times every variant that can serve it on the call's own inputs, keeps the fastest, and
+writes it to a cache file per machine, so the next process never measures again. FASTBERT_CPU_TUNE=0 turns
+measuring off (each op's static default runs); FASTBERT_CACHE_DIR moves the cache.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import json
+import os
+import platform
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+REPEATS = 5  # timed calls per variant (after one warm-up); the median decides
+_lock = threading.Lock()
+
+
+def enabled() -> bool:
+    return os.environ.get("FASTBERT_CPU_TUNE", "1").strip() != "0"
+
+
+def cache_path() -> Path:
+    root = os.environ.get("FASTBERT_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "fastbert")
+    return Path(root) / "variants.json"
+
+
+ISA_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
+                "amx_int8")
+
+
+def cpu() -> dict:
+    """The CPU's model name and which of ISA_FEATURES it has (from /proc/cpuinfo; empty elsewhere)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    return {"model": model, "features": [f for f in ISA_FEATURES if f in flags]}
+
+
+@functools.lru_cache(maxsize=None)
+def _machine_base() -> str:
+    try:
+        version = importlib.metadata.version("fastbert")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    c = cpu()
+    return f"{c['model']} [{' '.join(c['features'])}] torch {torch.__version__} fastbert {version}"
+
+
+def machine() -> str:
+    """What a measurement holds for: the CPU, its features, the versions and the thread count."""
+    return f"{_machine_base()} {torch.get_num_threads()} threads ({platform.machine()})"
+
+
+def _read(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+_table: dict[str, dict] | None = None  # this machine's entries, read once from the cache file
+
+
+def entries() -> dict[str, dict]:
+    """{variant key: {"choice": name, "ms": {name: median ms}}} measured on this machine so far."""
+    global _table
+    with _lock:
+        if _table is None:
+            _table = dict(_read(cache_path()).get(machine(), {}))
+        return dict(_table)
+
+
+def forget() -> None:
+    """Drop what this process remembers (the file stays): for tests that change the cache directory."""
+    global _table
+    with _lock:
+        _table = None
+
+
+def _store(key: str, entry: dict) -> None:
+    path = cache_path()
+    with _lock:
+        _table[key] = entry
+        try:  # merge with what other processes wrote since, then replace the file in one step
+            path.parent.mkdir(parents=True, exist_ok=True)
+            data = _read(path)
+            data.setdefault(machine(), {})[key] = entry
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".variants-")
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1, sort_keys=True)
+            os.replace(tmp, path)
+        except OSError:  # a read-only home: the choice still holds for this process
+            pass
+
+
+def _run(fn, args, backward: bool) -> None:
+    out = fn(*args)
+    if backward:  # training: the variant's backward counts as much as its forward
+        out = out if isinstance(out, torch.Tensor) else out[0]
+        leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        torch.autograd.grad(out.float().sum(), leaves, allow_unused=True)
+
+
+def _median_ms(fn, args, backward: bool) -> float:
+    with torch.enable_grad() if backward else torch.no_grad():
+        _run(fn, args, backward)  # warm-up: packing, first-touch allocations
+        times = []
+        for _ in range(REPEATS):
+            start = time.perf_counter()
+            _run(fn, args, backward)
+            times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def choose(key: str, candidates: dict, args, backward: bool) -> str:
+    """The name of the fastest of `candidates` ({name: fn}) for `key`: from the cache, or timed now on `args`
+    (forward and, with `backward`, the backward of the output's sum)."""
+    entry = entries().get(key)
+    if entry is not None and entry.get("choice") in candidates:
+        return entry["choice"]
+    times = {name: _median_ms(fn, args, backward) for name, fn in candidates.items()}
+    best = min(times, key=times.get)
+    _store(key, {"choice": best, "ms": {name: round(ms, 4) for name, ms in times.items()}})
+    return best

@@ -1,0 +1,149 @@
+"""Variants and per-machine tuning: dispatch measures a backend's implementations of an op once per kind
+of call, keeps the fastest in a cache file per machine, and lets users force or switch off the choice."""
+import json
+import time
+
+import pytest
+import torch
+
+import fastbert
+from fastbert import dispatch, ops, tuning
+from fastbert.testing import assert_close
+from grids import skip_unless_runnable
+
+
+@pytest.fixture
+def tuned(monkeypatch, tmp_path):
+    """Measuring on, into a cache directory of this test's own."""
+    monkeypatch.setenv("FASTBERT_CPU_TUNE", "1")
+    monkeypatch.setenv("FASTBERT_CACHE_DIR", str(tmp_path))
+    tuning.forget()
+    dispatch._picked.clear()
+    yield tmp_path
+    tuning.forget()
+    dispatch._picked.clear()
+
+
+def _stand_ins(calls):
+    """bias_gelu's cpu backend replaced by two variants: "slow" (the static default) and "fast"."""
+    def variant(name, pause):
+        def fn(x, bias, approximate):
+            calls.append(name)
+            time.sleep(pause)
+            return torch.nn.functional.gelu(x + bias, approximate=approximate)
+        return dispatch.Variant(name, fn)
+
+    dispatch.register("bias_gelu", "cpu", dispatch.Support(("cpu",), (torch.float32,)))(lambda *a: None)
+    dispatch.register_variants("bias_gelu", "cpu", (variant("slow", 0.004), variant("fast", 0.0)),
+                               lambda x, *_: (f"m{dispatch.size_class(x.shape[0])}",))
+
+
+def test_the_fastest_variant_is_measured_once_and_cached(tuned, monkeypatch):
+    x, bias = torch.randn(6, 8), torch.randn(8)
+    with dispatch.scratch_registry():
+        ran = []
+        _stand_ins(ran)
+        with dispatch.record() as calls:
+            first = ops.bias_gelu(x, bias)
+        assert [(c, c.variant) for c in calls] == [(("bias_gelu", "cpu"), "fast")]
+        assert ran.count("slow") == ran.count("fast") - 1 == tuning.REPEATS + 1  # measured both, then ran fast
+        assert torch.equal(first, torch.nn.functional.gelu(x + bias))
+        saved = json.loads((tuned / "variants.json").read_text())[tuning.machine()]
+        (key, entry), = saved.items()
+        assert key == "bias_gelu cpu float32 infer m8" and entry["choice"] == "fast"
+        assert entry["ms"]["slow"] > entry["ms"]["fast"] and entry["ms"]["slow"] >= 4
+
+        # Another process (here: forgetting what this one remembers) reads the file and measures nothing.
+        tuning.forget()
+        dispatch._picked.clear()
+        monkeypatch.setattr(tuning, "_median_ms", lambda *a: pytest.fail("measured again"))
+        ran.clear()
+        ops.bias_gelu(torch.randn(5, 8), bias)  # 5 rows: the same size class as 6
+        assert ran == ["fast"]
+        # Another size class is a new measurement.
+        with pytest.raises(pytest.fail.Exception, match="measured again"):
+            ops.bias_gelu(torch.randn(40, 8), bias)
+
+
+def test_without_tuning_the_static_default_runs(tuned, monkeypatch):
+    monkeypatch.setenv("FASTBERT_CPU_TUNE", "0")
+    with dispatch.scratch_registry():
+        ran = []
+        _stand_ins(ran)
+        with dispatch.record() as calls:
+            ops.bias_gelu(torch.randn(6, 8), torch.randn(8))
+        assert ran == ["slow"] and calls[0].variant == "slow"
+    assert not (tuned / "variants.json").exists()
+
+
+def test_forced_variants_run_or_say_why_not(monkeypatch):
+    skip_unless_runnable("dense", "cpu", torch.float32)
+    x, w, b = torch.randn(3, 16), torch.randn(8, 16), torch.randn(8)
+    for name in dispatch.variant_names("dense", "cpu"):
+        with dispatch.use_variant("dense", name), dispatch.record() as calls:
+            y = ops.dense(x, w, b, "gelu")
+        assert calls[0].variant == name
+        assert_close(y, torch.nn.functional.gelu(x.double() @ w.double().T + b.double()), torch.float32, "matmul")
+    monkeypatch.setenv("FASTBERT_VARIANT_DENSE", "torch")
+    with dispatch.record() as calls:
+        ops.dense(x, w, b)
+    assert calls[0].variant == "torch"
+    with dispatch.use_variant("dense", "cublas"), pytest.raises(dispatch.BackendUnavailable, match="has only onednn, torch"):
+        ops.dense(x, w, b)
+    q = torch.randn(2, 2, 8, 16)
+    with dispatch.use_variant("attention", "torch"), pytest.raises(dispatch.BackendUnavailable, match="dropout"):
+        ops.attention(q, q, q, dropout_p=0.1)
+    with pytest.raises(ValueError, match="unknown op"):
+        with dispatch.use_variant("densee", "torch"):
+            pass
+
+
+def test_training_calls_are_measured_with_their_backward(tuned):
+    skip_unless_runnable("dense", "cpu", torch.float32)
+    x = torch.randn(64, 32, requires_grad=True)
+    w, b = torch.randn(48, 32, requires_grad=True), torch.randn(48, requires_grad=True)
+    with dispatch.record() as calls:
+        y = ops.dense(x, w, b)
+    y.sum().backward()
+    assert x.grad is not None and calls[0].variant in dispatch.variant_names("dense", "cpu")
+    (key, entry), = tuning.entries().items()
+    assert key == "dense cpu float32 train m64 k32 n48 none" and entry["choice"] == calls[0].variant
+    assert set(entry["ms"]) == set(dispatch.variant_names("dense", "cpu"))
+    assert_close(x.grad, torch.ones(64, 48, dtype=torch.float64) @ w.detach().double(), torch.float32, "grad")
+
+
+def test_a_model_tuned_on_this_machine_gives_the_untuned_numbers(tuned):
+    skip_unless_runnable("attention", "cpu", torch.float32)
+    config = fastbert.BertConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                 intermediate_size=128, max_position_embeddings=64)
+    model = fastbert.BertModel(config).eval()
+    ids, mask = torch.randint(0, 300, (3, 20)), torch.ones(3, 20, dtype=torch.long)
+    mask[1, 7:] = 0
+    with torch.inference_mode():
+        tuned_out = model(ids, attention_mask=mask).last_hidden_state
+        with fastbert.use_backend("reference"):
+            ref = model(ids, attention_mask=mask).last_hidden_state
+    measured = tuning.entries()
+    assert {key.split()[0] for key in measured} >= {"qkv_projection", "dense"}
+    real = mask.bool()  # padding positions: fastbert leaves zeros where the reference computes garbage
+    assert_close(tuned_out[real], ref[real].double(), torch.float32, "matmul")
+
+
+def test_info_lists_variants_and_measurements(tuned):
+    skip_unless_runnable("dense", "cpu", torch.float32)
+    from fastbert.info import variants_report
+
+    with torch.no_grad():
+        ops.dense(torch.randn(4, 16), torch.randn(8, 16), None)
+    text = "\n".join(variants_report())
+    assert "dense: onednn, torch" in text and "attention: fastbert, torch" in text
+    assert "dense cpu float32 infer m4 k16 n8 none" in text
+
+
+def test_compiling_never_measures(tuned, monkeypatch):
+    skip_unless_runnable("dense", "cpu", torch.float32)
+    monkeypatch.setattr(tuning, "_median_ms", lambda *a: pytest.fail("measured while tracing"))
+    x, w = torch.randn(4, 16), torch.randn(8, 16)
+    compiled = torch.compile(lambda a: ops.dense(a, w, None), backend="eager", fullgraph=True)
+    with torch.no_grad():
+        assert_close(compiled(x), x.double() @ w.double().T, torch.float32, "matmul")
