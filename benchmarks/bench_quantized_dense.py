@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from conftest import DEVICE, DTYPES, dtype_id, fastbert_contenders, time_it
-from fastbert import ops
-from fastbert.ops import PreparedWeights, reference
+from fastbert import dispatch, ops
+from fastbert.ops import PreparedWeights, _onednn, reference
+from fastbert.ops.quantized_dense import ONEDNN_GEMM, own_gemm
 
 SHAPES = [(768, 3072, "gelu"), (3072, 768, "none"), (768, 2304, "none")]  # FFN up, FFN down, QKV
 
@@ -47,3 +48,37 @@ def test_quantized_dense(benchmark, name, fn, tokens, k, n, activation, dtype):
     x, w, b = torch.randn(tokens, k).to(dtype), (torch.randn(n, k) * k**-0.5).to(dtype), torch.randn(n).to(dtype)
     benchmark.extra_info["GOP"] = 2 * tokens * k * n / 1e9
     time_it(benchmark, f"int8 dense {tokens}x{k}->{n} {activation} {dtype_id(dtype)}", fn, x, w, b, activation)
+
+
+# The GEMM step alone (no quantize, no epilogue): fastbert's own u8 x s8 GEMM against oneDNN's, both
+# returning weight_scale x (q @ w^T) in float32. GOP/s = extra_info GOP / median.
+GEMMS = [(1024, 768, 3072), (1024, 3072, 768), (128, 768, 2304)]  # M x K x N
+
+
+def onednn_gemm(q, w, scale, cache={}):
+    if w not in cache:
+        cache.clear()
+        cache[w] = ONEDNN_GEMM.pack(w, None, q.shape[0])
+    return ONEDNN_GEMM.run(q, cache[w], scale)
+
+
+def fastbert_own_gemm(q, w, scale, prepared=PreparedWeights()):
+    return own_gemm(q, w, scale, prepared)
+
+
+def gemm_reasons(name):
+    if name == "onednn":
+        return _onednn.missing("onednn", ("qlinear_prepack", "qlinear_pointwise"))
+    return list(dispatch.machine_reasons("cpu"))
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="int8 runs on CPU")
+@pytest.mark.parametrize("m,k,n", GEMMS, ids=[f"{m}x{k}x{n}" for m, k, n in GEMMS])
+@pytest.mark.parametrize("name,fn", [("onednn", onednn_gemm), ("own", fastbert_own_gemm)], ids=["onednn", "own"])
+def test_int8_gemm(benchmark, name, fn, m, k, n):
+    if gemm_reasons(name):
+        pytest.skip("; ".join(gemm_reasons(name)))
+    q = torch.randint(0, 256, (m, k), dtype=torch.uint8)
+    w = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+    benchmark.extra_info["GOP"] = 2 * m * k * n / 1e9
+    time_it(benchmark, f"int8 GEMM {m}x{k}x{n}", fn, q, w, torch.rand(n) * 0.01)

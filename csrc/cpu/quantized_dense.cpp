@@ -1,4 +1,5 @@
-// quantized_dense on CPU: the kernels around oneDNN's u8 x s8 GEMM (fastbert/ops/quantized_dense.py).
+// quantized_dense on CPU: the kernels around a u8 x s8 GEMM, oneDNN's or fastbert's own (int8_gemm.h)
+// (fastbert/ops/quantized_dense.py).
 // Activations are quantized per row (per token), asymmetric u8 with a zero point per row: BERT's rows
 // differ in range by 10x and more, which one scale per tensor cannot follow. oneDNN takes one activation
 // scale per tensor, so the GEMM runs with scale 1 and zero point 0 and the epilogue here applies each
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "gelu.h"
+#include "int8_gemm.h"
 #include "quantize.h"
 #include "vec.h"
 
@@ -164,10 +166,73 @@ void requantize_rows(const at::Tensor& acc, const at::Tensor& scale, const at::T
              activation, q.data_ptr<uint8_t>(), q_scale.data_ptr<float>(), q_zero_point.data_ptr<int32_t>(), rows, n);
 }
 
+// fastbert's own GEMM (int8_gemm.h), where oneDNN's quantized ops are missing or for tests.
+at::Tensor int8_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar,
+              "int8_pack: weight must be an int8 [n, k] tensor, got ", weight.scalar_type(), " ", weight.sizes());
+  const int64_t n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(k <= int8_gemm::kMaxK, "int8_pack: k = ", k, " is longer than ", int8_gemm::kMaxK,
+              ", where int32 sums of u8 x s8 products could overflow");
+  const at::Tensor w = weight.contiguous();
+  at::Tensor packed = at::empty({int8_gemm::blocks(n), int8_gemm::groups(k), int8_gemm::kCols, int8_gemm::kGroup},
+                                weight.options());
+  int8_gemm::pack(w.data_ptr<int8_t>(), n, k, packed.data_ptr<int8_t>());
+  return packed;
+}
+
+// n and k: the weight's shape, which the padded packing cannot tell (n 17 and 32 pack alike).
+void int8_matmul(const at::Tensor& q, const at::Tensor& packed, int64_t n, int64_t k, const at::Tensor& weight_scale,
+                 int64_t isa, const at::Tensor& out) {
+  TORCH_CHECK(n >= 0 && k >= 0, "int8_matmul: n and k (the weight's shape) must be >= 0, got ", n, ", ", k);
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && q.is_contiguous() && q.size(1) == k,
+              "int8_matmul: q must be a contiguous uint8 [m, k = ", k, "] tensor, got ", q.scalar_type(), " ",
+              q.sizes(), q.is_contiguous() ? "" : " (not contiguous)");
+  TORCH_CHECK(weight_scale.dim() == 1 && weight_scale.scalar_type() == at::kFloat && weight_scale.is_contiguous() &&
+                  weight_scale.size(0) == n,
+              "int8_matmul: weight_scale must be a contiguous float32 [n = ", n, "] tensor, got ",
+              weight_scale.scalar_type(), " ", weight_scale.sizes());
+  const int64_t m = q.size(0);
+  const std::vector<int64_t> want{int8_gemm::blocks(n), int8_gemm::groups(k), int8_gemm::kCols, int8_gemm::kGroup};
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.sizes() == at::IntArrayRef(want),
+              "int8_matmul: packed must be int8_pack's output for an [n, k] = [", n, ", ", k, "] weight: int8 ",
+              at::IntArrayRef(want), ", got ", packed.scalar_type(), " ", packed.sizes());
+  TORCH_CHECK(k <= int8_gemm::kMaxK, "int8_matmul: k = ", k, " is longer than ", int8_gemm::kMaxK,
+              ", where int32 sums of u8 x s8 products could overflow");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.sizes() == at::IntArrayRef({m, n}),
+              "int8_matmul: out must be a contiguous float32 [", m, ", ", n, "] tensor, got ", out.scalar_type(), " ",
+              out.sizes());
+  TORCH_CHECK(isa >= int8_gemm::kBest && isa <= int8_gemm::kAvx512Vnni,
+              "int8_matmul: isa must be 0 (best available), 1 (portable C++), 2 (AVX-VNNI) or 3 (AVX512-VNNI), got ",
+              isa);
+#if defined(__x86_64__)
+  TORCH_CHECK(isa == int8_gemm::kBest || int8_gemm::cpu_has(isa), "int8_matmul: isa ", isa, " (",
+              int8_gemm::isa_name(isa), ") needs a CPU with ", int8_gemm::isa_features(isa),
+              "; this CPU lacks it (isa 0 picks the best it has)");
+#else
+  TORCH_CHECK(isa == int8_gemm::kBest || isa == int8_gemm::kPortable, "int8_matmul: isa ", isa, " (",
+              int8_gemm::isa_name(isa), ") needs an x86-64 CPU with ", int8_gemm::isa_features(isa),
+              "; fastbert was built for another architecture (only isa 1, portable C++, runs here)");
+#endif
+  const int8_gemm::Problem problem{q.data_ptr<uint8_t>(), packed.data_ptr<int8_t>(), weight_scale.data_ptr<float>(),
+                                   out.data_ptr<float>(), m, n, k, int8_gemm::groups(k) * int8_gemm::kBlockBytes};
+  int8_gemm::matmul(problem, isa);
+}
+
+bool int8_isa_supported(int64_t isa) {
+  if (isa == int8_gemm::kBest) return true;
+  return isa >= int8_gemm::kPortable && isa <= int8_gemm::kAvx512Vnni && int8_gemm::cpu_has(isa);
+}
+
 }  // namespace
 }  // namespace fastbert
 
+TORCH_LIBRARY_IMPL(fastbert_C, CompositeExplicitAutograd, m) {
+  m.impl("int8_isa_supported", &fastbert::int8_isa_supported);
+}
+
 TORCH_LIBRARY_IMPL(fastbert_C, CPU, m) {
+  m.impl("int8_pack", &fastbert::int8_pack);
+  m.impl("int8_matmul", &fastbert::int8_matmul);
   m.impl("quantize_rows", &fastbert::quantize_rows);
   m.impl("quantize_tensor", &fastbert::quantize_tensor);
   m.impl("dequantize_rows", &fastbert::dequantize_rows);

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Callable, NamedTuple
 
 import torch
 
 from fastbert import dispatch
 from fastbert.ops import _alloc, _checks, _onednn, reference
 from fastbert.ops._op import needs_grad
-from fastbert.ops.dense import EPILOGUES, linear_checks
+from fastbert.ops.dense import EPILOGUES, linear_checks, linear_class
 from fastbert.ops.prepared import PreparedWeights
 from fastbert.ops.reference import QuantizedRows
 
@@ -83,7 +84,7 @@ def _reference(x, weight, weight_scale, bias, epilogue, prepared, quantize_outpu
                                      input_scale, input_zero_point)
 
 
-# ------------------------------------- cpu: oneDNN's u8 x s8 GEMM between fastbert._C's quantize and epilogue
+# ------------------------- cpu: a u8 x s8 GEMM (oneDNN's, or own_gemm) between fastbert._C's quantize and epilogue
 
 _ACTIVATION_CODES = {"none": 0, "gelu": 1, "gelu_tanh": 2}
 
@@ -103,9 +104,65 @@ def _weight_sums(weight, weight_scale):
     return weight.sum(1, dtype=torch.int32).float() * weight_scale
 
 
-@dispatch.register("quantized_dense", "cpu", dispatch.Support(("cpu",), (torch.float32, torch.bfloat16)),
-                   extra_reasons=lambda facts: _onednn.missing("onednn", ("qlinear_prepack", "qlinear_pointwise")))
-def _cpu(x, weight, weight_scale, bias, epilogue, prepared, quantize_output, input_scale, input_zero_point):
+class Int8Gemm(NamedTuple):
+    """The u8 x s8 GEMM step of the cpu kernel, from oneDNN (ONEDNN_GEMM) or fastbert._C (own_gemm_step).
+    `pack(weight, prepared, rows)`: the weight in the GEMM's form, made once per call (kept in `prepared`);
+    `run(q, packed, weight_scale)`: float32 [rows, N] = weight_scale x float(q @ weight^T) for q uint8
+    [rows, K], the integer sums exact (x's scale 1 and zero point 0: the epilogue applies each row's)."""
+    pack: Callable
+    run: Callable
+
+
+def _onednn_pack(weight, prepared, rows):
+    return _prepared_int8(prepared, weight, rows), torch.zeros(weight.shape[0], dtype=torch.int64)
+
+
+def _onednn_run(q, packed, weight_scale):
+    packed, zeros = packed
+    return torch.ops.onednn.qlinear_pointwise(q, 1.0, 0, packed, weight_scale, zeros, None, 1.0, 0, torch.float32,
+                                             "none", [], "")
+
+
+ONEDNN_GEMM = Int8Gemm(_onednn_pack, _onednn_run)
+
+
+def _own_pack(weight, prepared, rows):
+    """(packed, n, k): int8_matmul takes the weight's shape beside its padded packing."""
+    if prepared is None:
+        return torch.ops.fastbert_C.int8_pack(weight), *weight.shape
+    return prepared.get("int8_packed", (weight,), torch.ops.fastbert_C.int8_pack), *weight.shape
+
+
+def _own_run(q, packed, weight_scale, isa):
+    packed, n, k = packed
+    out = _alloc.empty((q.shape[0], n), dtype=torch.float32, device=q.device)
+    torch.ops.fastbert_C.int8_matmul(q, packed, n, k, weight_scale.contiguous(), isa, out)
+    return out
+
+
+ISAS = {"best": 0, "portable": 1, "avx_vnni": 2, "avx512_vnni": 3}  # int8_matmul's isa codes
+
+
+@functools.lru_cache(maxsize=None)
+def own_gemm_step(isa: int = 0) -> Int8Gemm:
+    """fastbert's own GEMM (csrc/cpu/int8_gemm.h) as the cpu kernel's GEMM step: where torch's build lacks
+    oneDNN's quantized ops. `isa` as ISAS: 0 picks the best this CPU has; forcing one it lacks raises."""
+    from fastbert import _C  # noqa: F401  (defines torch.ops.fastbert_C; own_gemm may run before dispatch loads it)
+
+    return Int8Gemm(_own_pack, functools.partial(_own_run, isa=isa))
+
+
+def own_gemm(q, weight, weight_scale, prepared: PreparedWeights | None, isa: int = 0) -> torch.Tensor:
+    """float32 [M, N] = weight_scale x float(q @ weight^T) for q uint8 [M, K], weight int8 [N, K] and
+    weight_scale float32 [N], the int32 sums exact: what oneDNN's GEMM gives the epilogue. The packed
+    weight is kept in `prepared` under "int8_packed" (packed on every call without one)."""
+    step = own_gemm_step(isa)
+    return step.run(q.contiguous(), step.pack(weight, prepared, q.shape[0]), weight_scale)
+
+
+@dispatch.register("quantized_dense", "cpu", dispatch.Support(("cpu",), (torch.float32, torch.bfloat16)))
+def _cpu(x, weight, weight_scale, bias, epilogue, prepared, quantize_output, input_scale, input_zero_point,
+         gemm: Int8Gemm = ONEDNN_GEMM):
     n, k = weight.shape
     if isinstance(x, QuantizedRows):
         lead, dtype, device = x.values.shape[:-1], x.dtype, x.values.device
@@ -114,13 +171,20 @@ def _cpu(x, weight, weight_scale, bias, epilogue, prepared, quantize_output, inp
         lead, dtype, device = x.shape[:-1], x.dtype, x.device
         x2d = x.reshape(-1, k).contiguous()
         q = _alloc.empty(x2d.shape, dtype=torch.uint8, device=device)
-        if input_scale is not None:
+        if input_scale is not None and gemm is ONEDNN_GEMM:
             return _static(x2d, q, lead, weight, weight_scale, bias, epilogue, prepared, input_scale, input_zero_point)
-        scale = _alloc.empty((x2d.shape[0],), dtype=torch.float32, device=device)
-        zero_point = _alloc.empty((x2d.shape[0],), dtype=torch.int32, device=device)
-        torch.ops.fastbert_C.quantize_rows(x2d, q, scale, zero_point)
+        if input_scale is not None:
+            # Another GEMM has no fused static epilogue: every row takes the one calibrated scale and zero
+            # point, and the rows' epilogue below applies them.
+            torch.ops.fastbert_C.quantize_tensor(x2d, float(input_scale), int(input_zero_point), q)
+            scale = torch.full((x2d.shape[0],), float(input_scale), dtype=torch.float32, device=device)
+            zero_point = torch.full((x2d.shape[0],), int(input_zero_point), dtype=torch.int32, device=device)
+        else:
+            scale = _alloc.empty((x2d.shape[0],), dtype=torch.float32, device=device)
+            zero_point = _alloc.empty((x2d.shape[0],), dtype=torch.int32, device=device)
+            torch.ops.fastbert_C.quantize_rows(x2d, q, scale, zero_point)
     m = q.shape[0]
-    packed = _prepared_int8(prepared, weight, m)
+    packed = gemm.pack(weight, prepared, m)
     wsum = _weight_sums(weight, weight_scale) if prepared is None else prepared.get(
         "int8_sums", (weight, weight_scale), _weight_sums)
     bias = None if bias is None else bias.float().contiguous()
@@ -131,14 +195,11 @@ def _cpu(x, weight, weight_scale, bias, epilogue, prepared, quantize_output, inp
                             _alloc.empty((m,), dtype=torch.int32, device=device), dtype)
     else:
         out = _alloc.empty((m, n), dtype=dtype, device=device)
-    zeros = torch.zeros(n, dtype=torch.int64)
     # Blocks of rows, so that the GEMM's float32 block is still in cache when the epilogue reads it.
     step = rows_per_block(n)
     for r0 in range(0, m, step):
         r1 = min(m, r0 + step)
-        # Scale 1, zero point 0 for x: the GEMM returns weight_scale x (q @ weight^T); rows are scaled after.
-        acc = torch.ops.onednn.qlinear_pointwise(q[r0:r1], 1.0, 0, packed, weight_scale, zeros, None, 1.0, 0,
-                                                 torch.float32, "none", [], "")
+        acc = gemm.run(q[r0:r1], packed, weight_scale)  # weight_scale x (q @ weight^T); rows are scaled after
         rows = (acc, scale[r0:r1], zero_point[r0:r1], wsum, bias, code)
         if quantize_output:
             torch.ops.fastbert_C.requantize_rows(*rows, out.values[r0:r1], out.scale[r0:r1], out.zero_point[r0:r1])
@@ -185,3 +246,16 @@ def _static(x2d, q, lead, weight, weight_scale, bias, epilogue, prepared, input_
         torch.zeros(n, dtype=torch.int64), None if bias is None else bias.float().contiguous(), 1.0, 0, x2d.dtype,
         post, scalars, algorithm)
     return out.view(*lead, n)
+
+
+def _shape_class(x, weight, weight_scale, bias, epilogue, *_):
+    rows = x.values if isinstance(x, QuantizedRows) else x
+    return (*linear_class(rows, weight), epilogue)
+
+
+# oneDNN's GEMM first (AMX where the CPU has it); fastbert's own (VNNI, or portable C++) where torch's build
+# lacks oneDNN's quantized ops, or where it measures faster.
+dispatch.register_variants("quantized_dense", "cpu", (
+    dispatch.Variant("onednn", _cpu, lambda facts: _onednn.missing("onednn", ("qlinear_prepack", "qlinear_pointwise"))),
+    dispatch.Variant("fastbert", lambda *args: _cpu(*args, gemm=own_gemm_step(0))),
+), _shape_class)

@@ -4,7 +4,10 @@ import pytest
 import torch
 
 from fastbert import dispatch, ops
-from fastbert.ops import reference
+from fastbert.ops import _onednn, reference
+from fastbert.ops.dense import EPILOGUES
+from fastbert.ops.prepared import PreparedWeights
+from fastbert.ops.quantized_dense import ONEDNN_GEMM, _cpu, own_gemm, own_gemm_step
 from fastbert.testing import assert_close, assert_ran, poison_outputs, tolerance
 from grids import skip_unless_runnable
 
@@ -18,17 +21,20 @@ def layer(n, k, bias=True):
     return weight, scale, (torch.randn(n) if bias else None)
 
 
+@pytest.mark.parametrize("variant", dispatch.variant_names("quantized_dense", "cpu"))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape,n,activation,approximate", SHAPES, ids=str)
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
-def test_matches_reference_on_the_same_quantized_input(shape, n, activation, approximate, dtype, bias):
+def test_matches_reference_on_the_same_quantized_input(shape, n, activation, approximate, dtype, bias, variant):
     skip_unless_runnable("quantized_dense", "cpu", dtype)
     # An offset and a spread per row, as hidden states have: each row gets its own scale and zero point.
     x = (torch.randn(*shape) * (0.5 + torch.rand(*shape[:-1], 1) * 4) + torch.randn(*shape[:-1], 1)).to(dtype)
     weight, scale, b = layer(n, shape[-1], bias)
-    with torch.no_grad(), poison_outputs(), dispatch.record() as calls:
+    with torch.no_grad(), poison_outputs(), dispatch.use_variant("quantized_dense", variant), \
+            dispatch.record() as calls:
         out = ops.quantized_dense(x, weight, scale, b, activation, approximate)
     assert_ran(calls, "quantized_dense", "cpu")
+    assert {c.variant for c in calls} == {variant}
     assert out.dtype == dtype and out.shape == (*shape[:-1], n)
     truth = reference.quantized_dense(x.double(), weight, scale, None if b is None else b.double(), activation, approximate)
     naive = reference.quantized_dense(x, weight, scale, b, activation, approximate)
@@ -158,3 +164,188 @@ def test_bad_input_is_named(call, message):
     weight, scale = reference.quantize_weight(torch.randn(3, 4))
     with pytest.raises(ValueError, match=message):
         call(weight, scale)
+
+
+# ------------------------------------------------- fastbert's own int8 GEMM (own_gemm): bit for bit, every tail
+
+ISAS = [("best", 0), ("portable", 1), ("avx_vnni", 2), ("avx512_vnni", 3)]
+CPU_FLAGS = {2: "avx_vnni", 3: "avx512_vnni"}  # /proc/cpuinfo's names of what isas 2 and 3 need
+GEMM_M = (1, 3, 17, 128)
+GEMM_K = (1, 5, 64, 768, 3072)
+GEMM_N = (1, 15, 17, 64, 768, 2304)
+
+
+def skip_unless_isa(isa):
+    skip_unless_runnable("quantized_dense", "cpu", torch.float32)
+    if not torch.ops.fastbert_C.int8_isa_supported(isa):
+        pytest.skip(f"this CPU lacks {CPU_FLAGS[isa]} (isa {isa})")
+
+
+def skip_unless_onednn():
+    missing = _onednn.missing("onednn", ("qlinear_prepack", "qlinear_pointwise"))
+    if missing:
+        pytest.skip("; ".join(missing))
+
+
+def int8_operands(m, k, n, seed=0):
+    """Full-range q and weight with the extremes in place: q's row 0 all 255, weight's row 0 all -128 and
+    its last row all 127 (the largest sums of either sign), everything else uniform."""
+    gen = torch.Generator().manual_seed(seed * 7919 + m * 131 + k * 17 + n)
+    q = torch.randint(0, 256, (m, k), dtype=torch.uint8, generator=gen)
+    weight = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
+    q[0] = 255
+    weight[0] = -128
+    weight[-1] = 127
+    weight_scale = torch.rand(n, generator=gen) * 0.01 + 1e-4
+    return q, weight, weight_scale
+
+
+def exact_gemm(q, weight, weight_scale):
+    """The GEMM's contract in torch: the sums in int32 (exact: |sum| < k x 255 x 128), one float32 multiply."""
+    return weight_scale * (q.int() @ weight.int().T).float()
+
+
+@pytest.mark.parametrize("isa_name,isa", ISAS, ids=[name for name, _ in ISAS])
+@pytest.mark.parametrize("n", GEMM_N)
+@pytest.mark.parametrize("k", GEMM_K)
+@pytest.mark.parametrize("m", GEMM_M)
+def test_own_gemm_is_exact(m, k, n, isa_name, isa):
+    skip_unless_isa(isa)
+    q, weight, weight_scale = int8_operands(m, k, n)
+    with poison_outputs():
+        out = own_gemm(q, weight, weight_scale, None, isa)
+    assert out.dtype == torch.float32 and out.shape == (m, n)
+    want = exact_gemm(q, weight, weight_scale)
+    diff = (out - want).abs().nan_to_num(float("inf"))
+    assert torch.equal(out, want), f"{int((diff > 0).sum())} of {out.numel()} differ, largest {float(diff.max()):.3g}"
+
+
+def test_int8_pack_layout():
+    skip_unless_isa(1)
+    weight = torch.randint(-128, 128, (19, 7), dtype=torch.int8)
+    packed = torch.ops.fastbert_C.int8_pack(weight)
+    assert packed.dtype == torch.int8 and packed.shape == (2, 2, 16, 4)  # n 19 -> 2 blocks of 16, k 7 -> 2 groups of 4
+    # packed[block, group, channel, t] = weight[16 block + channel, 4 group + t], zero past n and k.
+    padded = torch.zeros(32, 8, dtype=torch.int8)
+    padded[:19, :7] = weight
+    assert torch.equal(packed, padded.view(2, 16, 2, 4).permute(0, 2, 1, 3))
+    assert torch.equal(torch.ops.fastbert_C.int8_pack(weight.T.contiguous().T), packed)  # any strides
+
+
+def test_own_gemm_keeps_the_packed_weight_in_prepared():
+    skip_unless_isa(1)
+    q, weight, weight_scale = int8_operands(5, 40, 33)
+    prepared = PreparedWeights()
+    first = own_gemm(q, weight, weight_scale, prepared)
+    packed = prepared.get("int8_packed", (weight,), lambda w: pytest.fail("packed again though weight is unchanged"))
+    assert torch.equal(packed, torch.ops.fastbert_C.int8_pack(weight))
+    assert torch.equal(own_gemm(q, weight, weight_scale, prepared), first)
+    weight.neg_()  # an in-place write: the packing is made again
+    assert torch.equal(own_gemm(q, weight, weight_scale, prepared), exact_gemm(q, weight, weight_scale))
+
+
+def bad_matmul(q=None, packed=None, n=5, k=8, weight_scale=None, isa=0, out=None):
+    """int8_matmul on a good [3, 8] x [5, 8] problem with one argument replaced."""
+    q = torch.zeros(3, 8, dtype=torch.uint8) if q is None else q
+    packed = torch.ops.fastbert_C.int8_pack(torch.zeros(5, 8, dtype=torch.int8)) if packed is None else packed
+    weight_scale = torch.ones(5) if weight_scale is None else weight_scale
+    out = torch.empty(3, 5) if out is None else out
+    torch.ops.fastbert_C.int8_matmul(q, packed, n, k, weight_scale, isa, out)
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: bad_matmul(q=torch.zeros(3, 8, dtype=torch.int8)), "q must be a contiguous uint8 \\[m, k = 8\\]"),
+    (lambda: bad_matmul(q=torch.zeros(8, 3, dtype=torch.uint8).T), "q must be .* \\(not contiguous\\)"),
+    (lambda: bad_matmul(q=torch.zeros(3, 2, 4, dtype=torch.uint8)), "q must be a contiguous uint8"),
+    (lambda: bad_matmul(q=torch.zeros(3, 7, dtype=torch.uint8)),
+     "q must be a contiguous uint8 \\[m, k = 8\\] .* \\[3, 7\\]"),
+    (lambda: bad_matmul(weight_scale=torch.ones(5, dtype=torch.float64)), "weight_scale must be a contiguous float32"),
+    (lambda: bad_matmul(weight_scale=torch.ones(6)), "weight_scale must be a contiguous float32 \\[n = 5\\]"),
+    (lambda: bad_matmul(n=17, weight_scale=torch.ones(17), out=torch.empty(3, 17)),
+     "packed must be int8_pack's output for an \\[n, k\\] = \\[17, 8\\] weight: int8 \\[2, 2, 16, 4\\]"),
+    (lambda: bad_matmul(packed=torch.zeros(1, 2, 16, 4, dtype=torch.uint8)), "packed must be int8_pack's output"),
+    (lambda: bad_matmul(n=-1), "n and k \\(the weight's shape\\) must be >= 0"),
+    (lambda: bad_matmul(out=torch.empty(3, 6)), "out must be a contiguous float32 \\[3, 5\\]"),
+    (lambda: bad_matmul(out=torch.empty(3, 5, dtype=torch.bfloat16)), "out must be a contiguous float32"),
+    (lambda: bad_matmul(out=torch.empty(5, 3).T), "out must be a contiguous float32"),
+    (lambda: bad_matmul(isa=4), "isa must be 0 \\(best available\\), 1 \\(portable C\\+\\+\\)"),
+    (lambda: bad_matmul(isa=-1), "isa must be 0"),
+    (lambda: torch.ops.fastbert_C.int8_pack(torch.zeros(3, 4)), "int8_pack: weight must be an int8 \\[n, k\\]"),
+    (lambda: torch.ops.fastbert_C.int8_pack(torch.zeros(3, dtype=torch.int8)), "int8_pack: weight must be an int8"),
+    (lambda: torch.ops.fastbert_C.int8_pack(torch.zeros(1, 65794, dtype=torch.int8)), "could overflow"),
+    (lambda: own_gemm(torch.zeros(2, 7, dtype=torch.uint8), torch.zeros(3, 8, dtype=torch.int8), torch.ones(3), None),
+     "q must be a contiguous uint8 \\[m, k = 8\\]"),
+    (lambda: own_gemm(torch.zeros(2, 8, dtype=torch.uint8), torch.zeros(3, 8, dtype=torch.int8), torch.ones(4), None),
+     "weight_scale must be a contiguous float32 \\[n = 3\\]"),
+])
+def test_own_gemm_bad_input_is_named(call, message):
+    skip_unless_isa(1)
+    with pytest.raises(RuntimeError, match=message):
+        call()
+
+
+@pytest.mark.parametrize("isa", [2, 3])
+def test_forcing_an_isa_the_cpu_lacks_raises(isa):
+    skip_unless_runnable("quantized_dense", "cpu", torch.float32)
+    if torch.ops.fastbert_C.int8_isa_supported(isa):
+        pytest.skip(f"this CPU has {CPU_FLAGS[isa]}: nothing to refuse")
+    with pytest.raises(RuntimeError, match=f"isa {isa} .* needs a CPU with .*; this CPU lacks it"):
+        bad_matmul(isa=isa)
+
+
+def run_cpu(x, weight, weight_scale, b, activation, approximate, gemm, prepared=None, **kw):
+    """The cpu kernel with the GEMM step `gemm` (dispatch's "fastbert" variant takes the best ISA only)."""
+    with torch.no_grad(), poison_outputs():
+        return _cpu(x, weight, weight_scale, b, EPILOGUES[activation, approximate], prepared,
+                       kw.get("quantize_output", False), kw.get("input_scale"), kw.get("input_zero_point"), gemm=gemm)
+
+
+@pytest.mark.parametrize("isa_name,isa", ISAS, ids=[name for name, _ in ISAS])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape,n,activation,approximate", SHAPES, ids=str)
+def test_own_gemm_op_equals_onednn(shape, n, activation, approximate, dtype, isa_name, isa):
+    skip_unless_isa(isa)
+    skip_unless_onednn()
+    x = (torch.randn(*shape) * (0.5 + torch.rand(*shape[:-1], 1) * 4) + torch.randn(*shape[:-1], 1)).to(dtype)
+    weight, w_scale, b = layer(n, shape[-1])
+    own, onednn = own_gemm_step(isa), ONEDNN_GEMM
+    prepared = PreparedWeights()
+    # Dynamic: the same bytes into both GEMMs, whose integer sums are exact; twice with `prepared`, so the
+    # second call runs on the kept packing.
+    want = run_cpu(x, weight, w_scale, b, activation, approximate, onednn)
+    for _ in range(2):
+        assert_close(run_cpu(x, weight, w_scale, b, activation, approximate, own, prepared), want, dtype, "matmul")
+    assert "int8_packed" in repr(prepared)
+    # Dynamic, quantized output: the next layer's bytes, dequantized.
+    rows = run_cpu(x, weight, w_scale, b, activation, approximate, own, quantize_output=True)
+    want_rows = run_cpu(x, weight, w_scale, b, activation, approximate, onednn, quantize_output=True)
+    assert isinstance(rows, ops.QuantizedRows) and rows.values.shape == want_rows.values.shape
+    assert_close(rows.dequantize(), want_rows.dequantize(), dtype, "matmul")
+    # Static: one calibrated range; oneDNN fuses bias and GELU, the own GEMM goes through the rows' epilogue.
+    scale, zero_point = reference.range_to_scale(float(x.min()) * 0.8, float(x.max()) * 0.8)
+    static = dict(input_scale=scale, input_zero_point=zero_point)
+    out = run_cpu(x, weight, w_scale, b, activation, approximate, own, **static)
+    assert out.dtype == dtype and out.shape == (*shape[:-1], n)
+    assert_close(out, run_cpu(x, weight, w_scale, b, activation, approximate, onednn, **static), dtype, "matmul")
+
+
+def test_without_onednn_int8_runs_on_fastbert_own_gemm(monkeypatch):
+    skip_unless_runnable("quantized_dense", "cpu", torch.float32)
+    from fastbert.ops import _onednn
+
+    missing = _onednn.missing
+    monkeypatch.setattr(_onednn, "missing", lambda namespace="mkldnn", names=(): (
+        ["this torch build lacks torch.ops.onednn.qlinear_pointwise"] if namespace == "onednn" else missing(namespace, names)))
+    dispatch._choices.clear()
+    x = torch.randn(5, 64)
+    weight, scale, b = layer(32, 64)
+    try:
+        with torch.no_grad(), dispatch.record() as calls:
+            out = ops.quantized_dense(x, weight, scale, b, "gelu")
+        why = dispatch.usable_variants("quantized_dense", "cpu", dispatch.Facts(("cpu",), (torch.float32,)))[1]
+    finally:
+        dispatch._choices.clear()
+    assert_ran(calls, "quantized_dense", "cpu")
+    assert calls[0].variant == "fastbert" and "qlinear_pointwise" in why["onednn"][0]
+    assert_close(out, reference.quantized_dense(x.double(), weight, scale, b.double(), "gelu"), torch.float32, "matmul",
+                 naive=reference.quantized_dense(x, weight, scale, b, "gelu"))

@@ -1,0 +1,352 @@
+// fastbert's own u8 x s8 GEMM: acc[m, n] = scale[n] * float(sum_k q[m, k] * w[n, k]), the int32 sum exact
+// and one float32 multiply, as oneDNN's qlinear_pointwise computes it with activation scale 1 and zero
+// point 0 (quantized_dense.cpp's epilogues take either one's output). For torch builds without oneDNN's
+// quantized ops, and CPUs oneDNN serves badly.
+//
+// The weight is packed once into [blocks(n)][groups(k)][16][4]: 16 output channels x 4 consecutive k per
+// 64 bytes, exactly what one vpdpbusd multiplies against 4 bytes of q broadcast to every lane. The padding
+// (n to 16, k to 4) is zero, so padded lanes add nothing.
+//
+// ISA-specific code carries __attribute__((target(...))) per function instead of global -m flags: the
+// file builds on a machine with AVX2 only, or without AVX, and the runtime check picks what the CPU has.
+// Only vpdpbusd is used for the SIMD paths: it adds 4 u8 x s8 products into int32 without intermediate
+// saturation (vpmaddubsw would saturate 255 * 127 * 2 to int16).
+#pragma once
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define FASTBERT_AVX512_VNNI __attribute__((target("avx512f,avx512vnni")))
+#define FASTBERT_AVX_VNNI __attribute__((target("avx2,avxvnni")))
+#endif
+
+namespace fastbert {
+namespace int8_gemm {
+
+constexpr int64_t kCols = 16;  // output channels per packed block
+constexpr int64_t kGroup = 4;  // k values per int32 lane
+constexpr int64_t kBlockBytes = kCols * kGroup;
+// The longest k whose sums cannot overflow int32: k * 255 * 128 <= 2^31 - 1.
+constexpr int64_t kMaxK = INT32_MAX / (255 * 128);
+
+// isa argument of int8_matmul.
+enum Isa : int64_t { kBest = 0, kPortable = 1, kAvxVnni = 2, kAvx512Vnni = 3 };
+
+inline int64_t blocks(int64_t n) { return (n + kCols - 1) / kCols; }
+inline int64_t groups(int64_t k) { return (k + kGroup - 1) / kGroup; }
+
+inline const char* isa_name(int64_t isa) {
+  switch (isa) {
+    case kPortable: return "portable C++";
+    case kAvxVnni: return "AVX-VNNI (256-bit)";
+    case kAvx512Vnni: return "AVX512-VNNI";
+    default: return "best available";
+  }
+}
+
+// The CPU features an ISA needs, as /proc/cpuinfo names them (for error messages).
+inline const char* isa_features(int64_t isa) {
+  return isa == kAvx512Vnni ? "avx512f and avx512_vnni" : isa == kAvxVnni ? "avx2 and avx_vnni" : "nothing";
+}
+
+inline bool cpu_has(int64_t isa) {
+  if (isa == kPortable) return true;
+#if defined(__x86_64__)
+  // __builtin_cpu_supports also checks that the OS saves the wide registers (XCR0).
+  static const bool avx512_vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vnni");
+  static const bool avx_vnni = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("avxvnni");
+  if (isa == kAvx512Vnni) return avx512_vnni;
+  if (isa == kAvxVnni) return avx_vnni;
+#endif
+  return false;
+}
+
+inline int64_t best_isa() {
+  if (cpu_has(kAvx512Vnni)) return kAvx512Vnni;
+  if (cpu_has(kAvxVnni)) return kAvxVnni;
+  return kPortable;
+}
+
+// w [n, k] row-major -> packed [blocks(n)][groups(k)][16][4], every byte written (padding zero).
+inline void pack(const int8_t* w, int64_t n, int64_t k, int8_t* packed) {
+  const int64_t g_count = groups(k);
+  at::parallel_for(0, blocks(n), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      int8_t* dst = packed + b * g_count * kBlockBytes;
+      for (int64_t g = 0; g < g_count; ++g)
+        for (int64_t c = 0; c < kCols; ++c)
+          for (int64_t t = 0; t < kGroup; ++t) {
+            const int64_t row = b * kCols + c, col = g * kGroup + t;
+            *dst++ = row < n && col < k ? w[row * k + col] : 0;
+          }
+    }
+  });
+}
+
+// One GEMM's operands. q [m, k] and out [m, n] are row-major with row strides k and n.
+struct Problem {
+  const uint8_t* q;
+  const int8_t* packed;  // as pack() made it
+  const float* scale;    // [n]
+  float* out;
+  int64_t m, n, k;
+  int64_t block_stride;  // bytes from one 16-channel block to the next: groups(k) * 64
+};
+
+// Four bytes of a q row as one int32 lane: group g of a row with k values; past k they are zero (the
+// matching weights are zero too, but reading past the row could leave the tensor).
+inline int32_t load_group(const uint8_t* row, int64_t g, int64_t k) {
+  int32_t v = 0;
+  std::memcpy(&v, row + g * kGroup, static_cast<size_t>(std::min(kGroup, k - g * kGroup)));
+  return v;
+}
+
+inline int32_t load_full_group(const uint8_t* row, int64_t g) {
+  int32_t v;
+  std::memcpy(&v, row + g * kGroup, sizeof(v));
+  return v;
+}
+
+// A tile: kRows rows from `row`, kBlocks 16-channel blocks from `block` (clipped to n on store).
+using TileFn = void (*)(const Problem&, int64_t row, int64_t block);
+
+// ---------------------------------------------------------------- portable: int32 loops for the compiler
+
+// Each k group's 16 x 4 weights are widened once into 4 rows of 16 int32 (reused by kRows rows of q), so
+// the inner loops are contiguous int32 multiply-adds over 16 channels.
+template <int kRows>
+void tile_portable(const Problem& p, int64_t row, int64_t block) {
+  int32_t acc[kRows][kCols] = {};
+  const int8_t* w = p.packed + block * p.block_stride;
+  const uint8_t* q = p.q + row * p.k;
+  const int64_t g_count = groups(p.k);
+  for (int64_t g = 0; g < g_count; ++g) {
+    int32_t wt[kGroup][kCols];
+    for (int64_t c = 0; c < kCols; ++c)
+      for (int64_t t = 0; t < kGroup; ++t) wt[t][c] = w[g * kBlockBytes + c * kGroup + t];
+    for (int r = 0; r < kRows; ++r) {
+      for (int64_t t = 0; t < kGroup; ++t) {
+        const int64_t i = g * kGroup + t;
+        const int32_t x = i < p.k ? q[r * p.k + i] : 0;  // past k: zero, as the padded weights are
+        for (int64_t c = 0; c < kCols; ++c) acc[r][c] += x * wt[t][c];
+      }
+    }
+  }
+  const int64_t col0 = block * kCols, cols = std::min(kCols, p.n - col0);
+  for (int r = 0; r < kRows; ++r) {
+    float* out = p.out + (row + r) * p.n + col0;
+    for (int64_t c = 0; c < cols; ++c) out[c] = p.scale[col0 + c] * static_cast<float>(acc[r][c]);
+  }
+}
+
+#if defined(__x86_64__)
+
+// vpdpbusd in asm, accumulating in place: with the intrinsics gcc 12 copies every accumulator to another
+// register and to the stack on each k step (a third of the speed).
+FASTBERT_AVX512_VNNI __attribute__((always_inline)) inline void dpbusd(__m512i& acc, __m512i x, __m512i w) {
+  asm("vpdpbusd %[w], %[x], %[acc]" : [acc] "+v"(acc) : [x] "v"(x), [w] "v"(w));
+}
+
+// {vex}: the AVX-VNNI encoding, which runs on CPUs without AVX-512 ("x": only registers it can name).
+FASTBERT_AVX_VNNI __attribute__((always_inline)) inline void dpbusd(__m256i& acc, __m256i x, __m256i w) {
+  asm("%{vex%} vpdpbusd %[w], %[x], %[acc]" : [acc] "+x"(acc) : [x] "x"(x), [w] "x"(w));
+}
+
+// ---------------------------------------------------------------- AVX512-VNNI: 16 channels per zmm
+
+// One k group: the kBlocks weight vectors at w (blocks block_stride bytes apart), each row's 4 q bytes x
+// broadcast to all lanes.
+template <int kRows, int kBlocks>
+FASTBERT_AVX512_VNNI __attribute__((always_inline)) inline void group_avx512(
+    __m512i (&acc)[kRows][kBlocks], const int8_t* w, int64_t block_stride, const int32_t (&x)[kRows]) {
+  __m512i wv[kBlocks];
+#pragma GCC unroll 4
+  for (int b = 0; b < kBlocks; ++b) wv[b] = _mm512_loadu_si512(w + b * block_stride);
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r) {
+    const __m512i xr = _mm512_set1_epi32(x[r]);
+#pragma GCC unroll 4
+    for (int b = 0; b < kBlocks; ++b) dpbusd(acc[r][b], xr, wv[b]);
+  }
+}
+
+// kRows x kBlocks accumulators (6 x 4 = 24 of the 32 zmm registers) and the weights of one k group in
+// kBlocks more.
+template <int kRows, int kBlocks>
+FASTBERT_AVX512_VNNI void tile_avx512(const Problem& p, int64_t row, int64_t block) {
+  __m512i acc[kRows][kBlocks];
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r)
+#pragma GCC unroll 4
+    for (int b = 0; b < kBlocks; ++b) acc[r][b] = _mm512_setzero_si512();
+  const int8_t* w = p.packed + block * p.block_stride;
+  const uint8_t* q = p.q + row * p.k;
+  const int64_t full = p.k / kGroup;
+  for (int64_t g = 0; g < full; ++g) {
+    int32_t x[kRows];
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) x[r] = load_full_group(q + r * p.k, g);
+    group_avx512(acc, w + g * kBlockBytes, p.block_stride, x);
+  }
+  if (full * kGroup < p.k) {
+    int32_t x[kRows];
+    for (int r = 0; r < kRows; ++r) x[r] = load_group(q + r * p.k, full, p.k);
+    group_avx512(acc, w + full * kBlockBytes, p.block_stride, x);
+  }
+#pragma GCC unroll 4
+  for (int b = 0; b < kBlocks; ++b) {
+    const int64_t col0 = (block + b) * kCols, cols = std::min(kCols, p.n - col0);
+    const __mmask16 mask = cols == kCols ? __mmask16(0xffff) : __mmask16((1u << cols) - 1);
+    const __m512 scale = _mm512_maskz_loadu_ps(mask, p.scale + col0);
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r)
+      _mm512_mask_storeu_ps(p.out + (row + r) * p.n + col0, mask,
+                            _mm512_mul_ps(scale, _mm512_maskz_cvtepi32_ps(mask, acc[r][b])));
+  }
+}
+
+// ---------------------------------------------------------------- AVX-VNNI: one block is two ymm
+
+template <int kRows>
+FASTBERT_AVX_VNNI __attribute__((always_inline)) inline void group_avx_vnni(
+    __m256i (&lo)[kRows], __m256i (&hi)[kRows], const int8_t* w, const int32_t (&x)[kRows]) {
+  const __m256i w_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  const __m256i w_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r) {
+    const __m256i xr = _mm256_set1_epi32(x[r]);
+    dpbusd(lo[r], xr, w_lo);
+    dpbusd(hi[r], xr, w_hi);
+  }
+}
+
+// kRows x 2 accumulators (6 x 2 = 12 of the 16 ymm registers), the block's two weight vectors and the
+// broadcast q lane: VEX vpdpbusd has no broadcast memory operand.
+template <int kRows>
+FASTBERT_AVX_VNNI void tile_avx_vnni(const Problem& p, int64_t row, int64_t block) {
+  __m256i lo[kRows], hi[kRows];
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
+  const int8_t* w = p.packed + block * p.block_stride;
+  const uint8_t* q = p.q + row * p.k;
+  const int64_t full = p.k / kGroup;
+  for (int64_t g = 0; g < full; ++g) {
+    int32_t x[kRows];
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) x[r] = load_full_group(q + r * p.k, g);
+    group_avx_vnni(lo, hi, w + g * kBlockBytes, x);
+  }
+  if (full * kGroup < p.k) {
+    int32_t x[kRows];
+    for (int r = 0; r < kRows; ++r) x[r] = load_group(q + r * p.k, full, p.k);
+    group_avx_vnni(lo, hi, w + full * kBlockBytes, x);
+  }
+  const int64_t col0 = block * kCols, cols = std::min(kCols, p.n - col0);
+  float scale[kCols] = {};
+  std::memcpy(scale, p.scale + col0, cols * sizeof(float));  // the scale vector ends at n
+  const __m256 scale_lo = _mm256_loadu_ps(scale), scale_hi = _mm256_loadu_ps(scale + 8);
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r) {
+    float* out = p.out + (row + r) * p.n + col0;
+    const __m256 y_lo = _mm256_mul_ps(scale_lo, _mm256_cvtepi32_ps(lo[r]));
+    const __m256 y_hi = _mm256_mul_ps(scale_hi, _mm256_cvtepi32_ps(hi[r]));
+    if (cols == kCols) {
+      _mm256_storeu_ps(out, y_lo);
+      _mm256_storeu_ps(out + 8, y_hi);
+    } else {
+      float y[kCols];
+      _mm256_storeu_ps(y, y_lo);
+      _mm256_storeu_ps(y + 8, y_hi);
+      std::memcpy(out, y, cols * sizeof(float));
+    }
+  }
+}
+
+#endif  // __x86_64__
+
+// ---------------------------------------------------------------- driver
+
+// Tiles of kRows x kBlocks, every smaller shape for the edges: table[rows - 1][blocks - 1].
+template <int kRows, int kBlocks>
+struct Kernel {
+  TileFn table[kRows][kBlocks];
+};
+
+template <template <int, int> class Tile, int kRows, int kBlocks, int R = 1, int B = 1>
+void fill(Kernel<kRows, kBlocks>& kernel) {
+  kernel.table[R - 1][B - 1] = &Tile<R, B>::run;
+  if constexpr (B < kBlocks) fill<Tile, kRows, kBlocks, R, B + 1>(kernel);
+  else if constexpr (R < kRows) fill<Tile, kRows, kBlocks, R + 1, 1>(kernel);
+}
+
+template <template <int, int> class Tile, int kRows, int kBlocks>
+Kernel<kRows, kBlocks> make_kernel() {
+  Kernel<kRows, kBlocks> kernel{};
+  fill<Tile, kRows, kBlocks>(kernel);
+  return kernel;
+}
+
+template <int kRows, int kBlocks>
+struct PortableTile {
+  static void run(const Problem& p, int64_t row, int64_t block) { tile_portable<kRows>(p, row, block); }
+};
+#if defined(__x86_64__)
+template <int kRows, int kBlocks>
+struct Avx512Tile {
+  static void run(const Problem& p, int64_t row, int64_t block) { tile_avx512<kRows, kBlocks>(p, row, block); }
+};
+template <int kRows, int kBlocks>
+struct AvxVnniTile {
+  static void run(const Problem& p, int64_t row, int64_t block) { tile_avx_vnni<kRows>(p, row, block); }
+};
+#endif
+
+// The GEMM in tasks of (a panel of kBlocks blocks) x (up to kRowsPerTask rows), panel-major: a thread's
+// consecutive tasks share one panel of weights (kBlocks x 16 x k bytes), which stays in its L2 while
+// the q rows stream past.
+template <int kRows, int kBlocks>
+void run(const Problem& p, const Kernel<kRows, kBlocks>& kernel) {
+  constexpr int64_t kRowsPerTask = kRows * 16;
+  const int64_t n_blocks = blocks(p.n);
+  const int64_t panels = (n_blocks + kBlocks - 1) / kBlocks;
+  const int64_t row_tasks = (p.m + kRowsPerTask - 1) / kRowsPerTask;
+  // At least ~1M multiply-adds per thread's share: smaller GEMMs are not worth waking threads for.
+  const int64_t task_macs = std::min(p.m, kRowsPerTask) * kBlocks * kCols * std::max<int64_t>(p.k, 1);
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 20) / task_macs);
+  at::parallel_for(0, panels * row_tasks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t panel = t / row_tasks, row0 = (t % row_tasks) * kRowsPerTask;
+      const int64_t block = panel * kBlocks, nb = std::min<int64_t>(kBlocks, n_blocks - block);
+      const int64_t row_end = std::min(p.m, row0 + kRowsPerTask);
+      for (int64_t r = row0; r < row_end; r += kRows) {
+        const int64_t rows = std::min<int64_t>(kRows, row_end - r);
+        kernel.table[rows - 1][nb - 1](p, r, block);
+      }
+    }
+  });
+}
+
+// isa: an Isa the CPU has (the caller checks); kBest picks.
+inline void matmul(const Problem& p, int64_t isa) {
+  if (p.m == 0 || p.n == 0) return;
+  if (isa == kBest) isa = best_isa();
+#if defined(__x86_64__)
+  if (isa == kAvx512Vnni) {
+    static const auto kernel = make_kernel<Avx512Tile, 6, 4>();
+    return run(p, kernel);
+  }
+  if (isa == kAvxVnni) {
+    static const auto kernel = make_kernel<AvxVnniTile, 6, 1>();
+    return run(p, kernel);
+  }
+#endif
+  static const auto kernel = make_kernel<PortableTile, 8, 1>();
+  run(p, kernel);
+}
+
+}  // namespace int8_gemm
+}  // namespace fastbert
