@@ -248,9 +248,12 @@ def _static(x2d, q, lead, weight, weight_scale, bias, epilogue, prepared, input_
     return out.view(*lead, n)
 
 
-def _shape_class(x, weight, weight_scale, bias, epilogue, *_):
-    rows = x.values if isinstance(x, QuantizedRows) else x
-    return (*linear_class(rows, weight), epilogue)
+def _shape_class(x, weight, weight_scale, bias, epilogue, prepared, quantize_output, input_scale, *_):
+    quantized = isinstance(x, QuantizedRows)
+    # x's float dtype by name: QuantizedRows' tensors (uint8, float32 scales) do not say it.
+    source = ("rows " if quantized else "") + str(x.dtype).replace("torch.", "")
+    return (*linear_class(x.values if quantized else x, weight), epilogue, source,
+            "static" if input_scale is not None else "dynamic", "to-rows" if quantize_output else "to-float")
 
 
 # oneDNN's GEMM first (AMX where the CPU has it); fastbert's own (VNNI, or portable C++) where torch's build
