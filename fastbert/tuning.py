@@ -139,7 +139,14 @@ def choose(key: str, candidates: dict, args, backward: bool) -> str:
     entry = entries().get(key)
     if entry is not None and entry.get("choice") in candidates:
         return entry["choice"]
-    times = {name: _median_ms(fn, args, backward) for name, fn in candidates.items()}
+    # Each trial may pack weights into the owner's PreparedWeights; the losers' forms would stay there
+    # for good (a second copy of every weight), so what the trials made is dropped after.
+    owners = [(a, a.snapshot()) for a in args if hasattr(a, "snapshot") and hasattr(a, "restore")]
+    try:
+        times = {name: _median_ms(fn, args, backward) for name, fn in candidates.items()}
+    finally:
+        for owner, snapshot in owners:
+            owner.restore(snapshot)
     best = min(times, key=times.get)
     _store(key, {"choice": best, "ms": {name: round(ms, 4) for name, ms in times.items()}})
     return best

@@ -129,6 +129,18 @@ def test_a_model_tuned_on_this_machine_gives_the_untuned_numbers(tuned):
     assert_close(tuned_out[real], ref[real].double(), torch.float32, "matmul")
 
 
+def test_only_the_chosen_variant_keeps_prepared_weights(tuned, monkeypatch):
+    skip_unless_runnable("dense", "cpu", torch.float32)
+    # The trials run for real (onednn packs its weight into `prepared`), then torch is declared faster.
+    real, ranks = tuning._median_ms, iter([5.0, 1.0])
+    monkeypatch.setattr(tuning, "_median_ms", lambda fn, args, backward: real(fn, args, backward) * 0 + next(ranks))
+    prepared = ops.PreparedWeights()
+    with torch.no_grad(), dispatch.record() as calls:
+        ops.dense(torch.randn(256, 64), torch.randn(96, 64), torch.randn(96), prepared=prepared)
+    assert dispatch.variant_names("dense", "cpu") == ("onednn", "torch") and calls[0].variant == "torch"
+    assert len(prepared) == 0  # the losing trial's packed copy is not kept
+
+
 def test_info_lists_variants_and_measurements(tuned):
     skip_unless_runnable("dense", "cpu", torch.float32)
     from fastbert.info import variants_report

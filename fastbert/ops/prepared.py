@@ -49,6 +49,13 @@ class PreparedWeights:
     def clear(self) -> None:
         self._entries.clear()
 
+    def snapshot(self) -> dict:
+        return dict(self._entries)
+
+    def restore(self, snapshot: dict) -> None:
+        """Back to `snapshot`: what was made since is dropped (a variant's trial packing, tuning.py)."""
+        self._entries = dict(snapshot)
+
     def __len__(self) -> int:
         return len(self._entries)
 
