@@ -101,7 +101,8 @@ def forget() -> None:
 def _store(key: str, entry: dict) -> None:
     path = cache_path()
     with _lock:
-        _table[key] = entry
+        if _table is not None:  # forget() may have run since entries() read it
+            _table[key] = entry
         try:  # merge with what other processes wrote since, then replace the file in one step
             path.parent.mkdir(parents=True, exist_ok=True)
             data = _read(path)
