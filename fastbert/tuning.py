@@ -142,10 +142,14 @@ def choose(key: str, candidates: dict, args, backward: bool) -> str:
         return entry["choice"]
     # Each trial may pack weights into the owner's PreparedWeights; the losers' forms would stay there
     # for good (a second copy of every weight), so what the trials made is dropped after.
+    # The random stream is put back too: a trial that draws (a dropout seed) must not make a measuring run's
+    # results differ from a cached one's under the same torch.manual_seed.
     owners = [(a, a.snapshot()) for a in args if hasattr(a, "snapshot") and hasattr(a, "restore")]
+    rng = torch.get_rng_state()
     try:
         times = {name: _median_ms(fn, args, backward) for name, fn in candidates.items()}
     finally:
+        torch.set_rng_state(rng)
         for owner, snapshot in owners:
             owner.restore(snapshot)
     best = min(times, key=times.get)

@@ -29,6 +29,7 @@ def _stand_ins(calls):
     def variant(name, pause):
         def fn(x, bias, approximate):
             calls.append(name)
+            torch.rand(1)  # draws, as a dropout seed would
             time.sleep(pause)
             return torch.nn.functional.gelu(x + bias, approximate=approximate)
         return dispatch.Variant(name, fn)
@@ -63,6 +64,18 @@ def test_the_fastest_variant_is_measured_once_and_cached(tuned, monkeypatch):
         # Another size class is a new measurement.
         with pytest.raises(pytest.fail.Exception, match="measured again"):
             ops.bias_gelu(torch.randn(40, 8), bias)
+
+
+def test_measuring_leaves_the_random_stream_as_it_was(tuned):
+    x, bias = torch.randn(6, 8), torch.randn(8)
+    with dispatch.scratch_registry():
+        _stand_ins([])
+        torch.manual_seed(7)
+        ops.bias_gelu(x, bias)  # measures: 2 x (1 + REPEATS) trial calls
+        after_measuring = torch.rand(4)
+        torch.manual_seed(7)
+        ops.bias_gelu(x, bias)  # cached
+        assert torch.equal(torch.rand(4), after_measuring)
 
 
 def test_without_tuning_the_static_default_runs(tuned, monkeypatch):
