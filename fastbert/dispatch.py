@@ -264,7 +264,7 @@ def _log_fallback_once(op: str, skipped: dict[str, list[str]]) -> None:
 # Eager calls remember each choice: the same op on the same kinds of tensors under the same override
 # always gets the same answer while the registry stands (register() empties it). A forced backend
 # that cannot serve raises each time instead of being remembered.
-_choices: dict[tuple, tuple[str, dict[str, list[str]]]] = {}
+_choices: dict[tuple, tuple] = {}  # key -> (backend, skipped, usable variants, key)
 
 
 def select(op: str, inputs: dict | Facts) -> tuple[str, dict[str, list[str]]]:
