@@ -13,6 +13,7 @@
 // A query row with no kept key gets zeros, and logsumexp +inf so backward sees probabilities of 0.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
 #include <dlfcn.h>
@@ -400,7 +401,13 @@ struct Bf16Products {
     dot(nq, nk, d / 2, q + qb * ldq, ldq, kt.data() + kb, keys, S, nk, scale, false);
   }
   void accumulate(int64_t nq, int64_t kb, int64_t nk, const float* P, float* O) {
-    const int64_t width = (nk + 1) / 2 * 2;  // P's rows in whole pairs, an odd last key paired with 0
+    const int64_t width = round_pairs(nq, nk, P);
+    dot(nq, d, width / 2, pb.data(), width, vp.data() + kb / 2 * d, d, O, d, 1.f, true);
+  }
+  // P [nq x nk] rounded to bfloat16 into pb, its rows in whole pairs (an odd last key paired with 0);
+  // returns the rows' width.
+  int64_t round_pairs(int64_t nq, int64_t nk, const float* P) {
+    const int64_t width = (nk + 1) / 2 * 2;
     pb.resize(std::max<size_t>(pb.size(), (size_t)(nq * width)));
     for (int64_t r = 0; r < nq; ++r) {
       c10::BFloat16* row = pb.data() + r * width;
@@ -411,7 +418,26 @@ struct Bf16Products {
       });
       if (width > nk) row[nk] = c10::BFloat16(0.f);
     }
-    dot(nq, d, width / 2, pb.data(), width, vp.data() + kb / 2 * d, d, O, d, 1.f, true);
+    return width;
+  }
+};
+
+// The same two products on ATen's batch-reduce GEMM (at::native::cpublas::brgemm: oneDNN's ukernel, on
+// AMX tiles where the CPU has them, AVX-512 otherwise), as torch's own CPU flash attention runs them.
+// Bf16Products' layouts are what it reads as "VNNI" B: K^T as pairs along d, V as pairs along keys.
+// brgemm has no alpha: the scores are scaled after. Each thread releases the tile state when done.
+struct BrgemmProducts : Bf16Products {
+  ~BrgemmProducts() { at::native::cpublas::brgemm_release(true); }
+  void scores(int64_t qb, int64_t nq, int64_t kb, int64_t nk, float scale, float* S) {
+    at::native::cpublas::brgemm(nq, nk, d, ldq, keys, nk, false, q + qb * ldq,
+                                reinterpret_cast<const c10::BFloat16*>(kt.data() + kb), S, true);
+    const VecF s(scale);
+    for_vectors(nq * nk, [&](int64_t j, int64_t m) { (VecF::loadu(S + j, m) * s).store(S + j, m); });
+  }
+  void accumulate(int64_t nq, int64_t kb, int64_t nk, const float* P, float* O) {
+    const int64_t width = round_pairs(nq, nk, P);
+    at::native::cpublas::brgemm(nq, d, width, width, d, d, true, pb.data(),
+                                reinterpret_cast<const c10::BFloat16*>(vp.data() + kb / 2 * d), O, true);
   }
 };
 #endif
@@ -669,6 +695,27 @@ void attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   else TORCH_CHECK(false, "attention: dtype ", q.scalar_type(), " (supported: float32, bfloat16)");
 }
 
+// attention_fwd with both products on brgemm (BrgemmProducts): bfloat16 with an even head dim and K
+// row stride, in a build with avx512_bf16 (the pair layouts are made with it).
+void attention_fwd_brgemm(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const std::optional<at::Tensor>& key_mask, const std::optional<at::Tensor>& cu_seqlens,
+                          double scale, double dropout_p, int64_t seed, const at::Tensor& out, const at::Tensor& lse) {
+#ifdef FASTBERT_AVX512_BF16
+  const Dropout dropout = make_dropout(dropout_p, seed);
+  check_inputs(q, k, v);
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16, "attention_fwd_brgemm: bfloat16 only, got ", q.scalar_type());
+  TORCH_CHECK(Bf16Products::serves(q.size(-1), layout_of(k).row),
+              "attention_fwd_brgemm: needs an even head dim and an even K row stride");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.stride(-1) == 1 && out.scalar_type() == q.scalar_type(),
+              "attention: out must match q");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous(), "attention: lse must be contiguous float32");
+  forward_with<at::BFloat16, BrgemmProducts>(q, k, v, describe(q, key_mask, cu_seqlens), (float)scale, dropout, out,
+                                             lse);
+#else
+  TORCH_CHECK(false, "attention_fwd_brgemm: fastbert._C was built without avx512_bf16");
+#endif
+}
+
 void attention_bwd(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                    const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& key_mask,
                    const std::optional<at::Tensor>& cu_seqlens, double scale, double dropout_p, int64_t seed,
@@ -705,6 +752,7 @@ at::Tensor dropout_keep(int64_t seed, double dropout_p, int64_t sequences, int64
 TORCH_LIBRARY_IMPL(fastbert_C, CPU, m) {
   m.impl("attention_fwd", &fastbert::attention_fwd);
   m.impl("attention_bwd", &fastbert::attention_bwd);
+  m.impl("attention_fwd_brgemm", &fastbert::attention_fwd_brgemm);
 }
 
 TORCH_LIBRARY_IMPL(fastbert_C, CompositeExplicitAutograd, m) {

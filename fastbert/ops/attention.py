@@ -1,6 +1,8 @@
 """attention: softmax(q k^T * scale) v over [B, heads, S, d] with a key-padding mask."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from fastbert import dispatch
@@ -126,17 +128,65 @@ def _cxx_backward(grad, q, k, v, out, lse, key_mask, cu_seqlens, max_seqlen, sca
 CXX = SPEC.kernels("cxx", _cxx_forward, _cxx_backward, by_device)
 
 
-def _cxx(q, k, v, attention_mask, dropout_p, scale, need_weights):
+def _brgemm_forward(q, k, v, key_mask, cu_seqlens, max_seqlen, scale, dropout_p, seed):
+    q, k, v = (_head_dim_contiguous(t) for t in (q, k, v))
+    k = k if k.stride(-2) % 2 == 0 else k.contiguous()  # K's rows are read as bfloat16 pairs
+    out = _empty_output(q)
+    lse = _alloc.empty(_lse_shape(q), dtype=torch.float32, device=q.device)
+    torch.ops.fastbert_C.attention_fwd_brgemm(q, k, v, key_mask, cu_seqlens, scale, dropout_p, seed_int(seed), out,
+                                              lse)
+    return out, lse
+
+
+# The forward's products on ATen's brgemm (AMX tiles where the CPU has them); the same logsumexp, so the
+# backward is the C++ kernel's.
+BRGEMM = SPEC.kernels("brgemm", _brgemm_forward, _cxx_backward, "cpu")
+
+
+def _cxx(q, k, v, attention_mask, dropout_p, scale, need_weights, pair=CXX):
     key_mask = None if attention_mask is None else attention_mask.bool().contiguous()
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     # On CUDA too the seed stays on the CPU: one seed keeps the same elements on both devices, and reading
     # it into the kernel's arguments never waits for the GPU.
-    return CXX(q, k, v, key_mask, None, q.shape[2], scale, dropout_p, dropout_seed(dropout_p))[0]
+    return pair(q, k, v, key_mask, None, q.shape[2], scale, dropout_p, dropout_seed(dropout_p))[0]
 
 
-def _cxx_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale):
+def _cxx_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale, pair=CXX):
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return CXX(q, k, v, None, cu_seqlens, max_seqlen, scale, dropout_p, dropout_seed(dropout_p))[0]
+    return pair(q, k, v, None, cu_seqlens, max_seqlen, scale, dropout_p, dropout_seed(dropout_p))[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _brgemm_machine_reasons() -> tuple[str, ...]:
+    """Why this machine cannot run the brgemm forward: a build without avx512_bf16, or a one-time check
+    against the C++ kernel that fails (oneDNN picks its own code per CPU, AMX among them: the check runs
+    it on the CPU that will use it)."""
+    from fastbert import _C
+    from fastbert.testing import tolerance
+
+    if not _C.AVX512_BF16:
+        return ("fastbert._C was built without avx512_bf16 (the pair layouts brgemm reads are made with it)",)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 77, 64, generator=g).bfloat16() for _ in range(3))
+    mask = torch.ones(2, 77, dtype=torch.bool)
+    mask[1, 50:] = False
+    with torch.inference_mode():
+        ours, lse = _cxx_forward(q, k, v, mask, None, 77, 0.125, 0.0, None)
+        theirs, lse_b = _brgemm_forward(q, k, v, mask, None, 77, 0.125, 0.0, None)
+    err = float((theirs.float() - ours.float()).norm() / ours.float().norm())
+    lse_err = float((lse_b - lse).abs().max())
+    if not (err <= tolerance(torch.bfloat16, "matmul") and lse_err <= 1e-2):
+        return (f"brgemm's forward disagrees with the C++ kernel on this CPU (rel err {err:.3g}, "
+                f"logsumexp {lse_err:.3g})",)
+    return ()
+
+
+def _brgemm_reasons(f: dispatch.Facts) -> list[str]:
+    if any(d != torch.bfloat16 for d in f.dtypes):
+        return ["bfloat16 only"]
+    if f.head_dim is not None and f.head_dim % 2:
+        return [f"odd head_dim {f.head_dim} (it multiplies bfloat16 pairs)"]
+    return list(_brgemm_machine_reasons())
 
 
 MAX_HEAD_DIM = 128  # the triton and cuda kernels' widest head
@@ -171,10 +221,20 @@ def _attention_class(q, k, v, attention_mask, *_):
         "masked" if attention_mask is not None else "unmasked")
 
 
-dispatch.register_variants("attention", "cpu", (dispatch.Variant("fastbert", _cxx),
-                                                 dispatch.Variant("torch", _torch_sdpa, _sdpa_reasons)),
-                           _attention_class)
+def _varlen_class(q, k, v, cu_seqlens, max_seqlen, *_):
+    return f"t{dispatch.size_class(q.shape[0])}", f"s{dispatch.size_class(max_seqlen)}", f"d{q.shape[-1]}"
+
+
+dispatch.register_variants("attention", "cpu", (
+    dispatch.Variant("fastbert", _cxx),
+    dispatch.Variant("torch", _torch_sdpa, _sdpa_reasons),
+    dispatch.Variant("brgemm", functools.partial(_cxx, pair=BRGEMM), _brgemm_reasons),
+), _attention_class)
 dispatch.register("varlen_attention", "cpu", _CPU_SUPPORT)(_cxx_varlen)
+dispatch.register_variants("varlen_attention", "cpu", (
+    dispatch.Variant("fastbert", _cxx_varlen),
+    dispatch.Variant("brgemm", functools.partial(_cxx_varlen, pair=BRGEMM), _brgemm_reasons),
+), _varlen_class)
 dispatch.register("attention", "cuda", _CUDA_SUPPORT, _head_dim_reasons)(_cxx)
 dispatch.register("varlen_attention", "cuda", _CUDA_SUPPORT, _head_dim_reasons)(_cxx_varlen)
 

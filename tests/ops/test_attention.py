@@ -8,7 +8,7 @@ from fastbert.ops import reference
 from fastbert.testing import assert_close, assert_ran, grad_floor, poison_outputs, upcast
 from grids import DTYPES, KERNEL_BACKENDS, skip_unless_runnable
 from harness import (CPU_DTYPES, SEEDS, Case, OpCheck, Spec, assert_independent, assert_keep_rate, bad_input_test,
-                     check_case, check_example, check_with_mask, compare_cpu, cpu_keep_mask, cu_seqlens, dtype_id,
+                     check_case, check_example, check_parity, check_with_mask, compare_cpu, cpu_keep_mask, cu_seqlens, dtype_id,
                      grid, leaf, needs_cpu_kernels, needs_cuda, opcheck_test, padding_mask, parity_tests, randn,
                      seed_tensor, st, variant_parity_test)
 
@@ -126,7 +126,7 @@ VARLEN = Spec("varlen_attention", ops.varlen_attention, reference.varlen_attenti
 # and hypothesis-drawn properties: harness.py.
 test_parity, test_non_contiguous_inputs_work, test_properties, test_triton_interpreter_properties = parity_tests(
     ATTENTION, VARLEN)
-test_variant_parity = variant_parity_test(ATTENTION)
+test_variant_parity = variant_parity_test(ATTENTION, VARLEN)
 GRID, GRID_IDS = grid(ATTENTION, VARLEN)
 
 
@@ -744,3 +744,16 @@ def test_cuda_rejects_head_dims_over_128_clearly():
     with pytest.raises(BackendUnavailable, match=r"head_dim 160 \(supported: 1 to 128\)"):
         with dispatch.use_backend("cuda"):
             ops.attention(q, q, q)
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("spec,case", [(ATTENTION, _case(1, 2, 700, 64, True)), (ATTENTION, _case(2, 3, 515, 32, False)),
+                                       (VARLEN, _varlen_case([600, 3, 77, 2], 2, 64))], ids=["s700", "s515", "varlen"])
+def test_brgemm_variant_past_one_key_block(spec, case):
+    """The brgemm forward walks K^T and V pairs block by block (512 keys a block): sequences past one block,
+    ragged ones among them, forward and backward against the reference."""
+    why = dispatch.usable_variants(spec.op, "cpu", dispatch.Facts(("cpu",), (torch.bfloat16,)))[1]
+    if why.get("brgemm"):
+        pytest.skip("; ".join(why["brgemm"]))
+    args, kwargs = case.make(torch.bfloat16, "cpu")
+    check_parity(spec, "cpu", torch.bfloat16, args, kwargs, "brgemm")
