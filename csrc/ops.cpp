@@ -25,9 +25,12 @@ TORCH_LIBRARY(fastbert_C, m) {
   // dropout_p on the probabilities, with keep decisions hashed from `seed` (backward regenerates them).
   m.def("attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? key_mask, Tensor? cu_seqlens, float scale, "
         "float dropout_p, int seed, Tensor(a!) out, Tensor(b!) lse) -> ()");
-  // attention_fwd's bfloat16 forward with its products on ATen's brgemm (AMX where the CPU has it).
+  // attention_fwd / _bwd in bfloat16 with their products on ATen's brgemm (AMX where the CPU has it).
   m.def("attention_fwd_brgemm(Tensor q, Tensor k, Tensor v, Tensor? key_mask, Tensor? cu_seqlens, float scale, "
         "float dropout_p, int seed, Tensor(a!) out, Tensor(b!) lse) -> ()");
+  m.def("attention_bwd_brgemm(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? key_mask, "
+        "Tensor? cu_seqlens, float scale, float dropout_p, int seed, Tensor(a!) dq, Tensor(b!) dk, "
+        "Tensor(c!) dv) -> ()");
   m.def("attention_bwd(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? key_mask, "
         "Tensor? cu_seqlens, float scale, float dropout_p, int seed, Tensor(a!) dq, Tensor(b!) dk, "
         "Tensor(c!) dv) -> ()");

@@ -358,6 +358,53 @@ void dot(int64_t M, int64_t N, int64_t K, const c10::BFloat16* A, int64_t lda, c
   });
 }
 
+// X [rows x d] bfloat16 (row stride ld, even, as d) -> out [d/2][rows] pairs: a transpose of X's rows read
+// as 32-bit words (bits moved, never computed on). The form of X^T as a product's right operand.
+void pairs_along_d(const c10::BFloat16* x, int64_t ld, int64_t rows, int64_t d, std::vector<uint32_t>& out) {
+  out.resize(std::max<size_t>(out.size(), (size_t)(d / 2 * rows)));
+  at::vec::transpose_mxn<float>(reinterpret_cast<const float*>(x), ld / 2, reinterpret_cast<float*>(out.data()), rows,
+                                (int)rows, (int)(d / 2));
+}
+
+// X [rows x d] bfloat16 (row stride ld) -> out [rows/2][d] pairs: out[t][c] = (X[2t][c], X[2t + 1][c]), an odd
+// last row paired with zeros. The form of X as a product's right operand, summed over its rows.
+void pairs_along_rows(const c10::BFloat16* x, int64_t ld, int64_t rows, int64_t d, std::vector<uint32_t>& out) {
+  const int64_t pairs = (rows + 1) / 2;
+  out.resize(std::max<size_t>(out.size(), (size_t)(pairs * d)));
+  alignas(64) static constexpr int16_t kLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                   8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i low = _mm512_load_si512(kLow), high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+  for (int64_t t = 0; t < pairs; ++t) {
+    const c10::BFloat16* even = x + 2 * t * ld;
+    for (int64_t c = 0; c < d; c += 32) {
+      const int64_t m = std::min<int64_t>(32, d - c);
+      const __mmask32 mask = m == 32 ? 0xFFFFFFFFu : (__mmask32)((1u << m) - 1);
+      const __m512i a = _mm512_maskz_loadu_epi16(mask, even + c);
+      const __m512i b = 2 * t + 1 < rows ? _mm512_maskz_loadu_epi16(mask, even + ld + c) : _mm512_setzero_si512();
+      _mm512_mask_storeu_epi32(out.data() + t * d + c, lane_mask(m), _mm512_permutex2var_epi16(a, low, b));
+      _mm512_mask_storeu_epi32(out.data() + t * d + c + 16, lane_mask(m - 16), _mm512_permutex2var_epi16(a, high, b));
+    }
+  }
+}
+
+// X [rows x cols] fp32 (row stride ld) * scale -> out [rows x width] bfloat16, width = cols rounded up to
+// even (a zero in the odd last column): rows of whole pairs, a product's left operand. Returns width.
+int64_t round_to_pairs(const float* x, int64_t ld, int64_t rows, int64_t cols, float scale,
+                       std::vector<c10::BFloat16>& out) {
+  const int64_t width = (cols + 1) / 2 * 2;
+  out.resize(std::max<size_t>(out.size(), (size_t)(rows * width)));
+  for (int64_t r = 0; r < rows; ++r) {
+    c10::BFloat16* row = out.data() + r * width;
+    for_blocks(cols, [&](int64_t j, int64_t m) {
+      VecF a, b;
+      load2(x + r * ld + j, m, a, b);
+      store2(row + j, m, a * VecF(scale), b * VecF(scale));
+    });
+    if (width > cols) row[cols] = c10::BFloat16(0.f);
+  }
+  return width;
+}
+
 // The forward's two products straight on bfloat16 storage (no fp32 copies), fp32 accumulation. Q's
 // rows are already pairs along d. K^T is laid out as [d/2][keys] pairs: a transpose of K's rows read as
 // 32-bit words (bits moved, never computed on). V as [keys/2][d] pairs: rows 2t and 2t+1 interleaved.
@@ -376,49 +423,15 @@ struct Bf16Products {
              const c10::BFloat16* v, int64_t ldv, int64_t /*rows: Q is read in place*/, int64_t key_count,
              int64_t head_dim) {
     q = q_rows, ldq = q_stride, d = head_dim, keys = key_count;
-    kt.resize(std::max<size_t>(kt.size(), (size_t)(d / 2 * keys)));
-    at::vec::transpose_mxn<float>(reinterpret_cast<const float*>(k), ldk / 2, reinterpret_cast<float*>(kt.data()),
-                                  keys, (int)keys, (int)(d / 2));
-    // vp[t][c] = (V[2t][c], V[2t + 1][c]); an odd last row pairs with zeros.
-    const int64_t pairs = (keys + 1) / 2;
-    vp.resize(std::max<size_t>(vp.size(), (size_t)(pairs * d)));
-    alignas(64) static constexpr int16_t kLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                                                     8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-    const __m512i low = _mm512_load_si512(kLow), high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
-    for (int64_t t = 0; t < pairs; ++t) {
-      const c10::BFloat16* even = v + 2 * t * ldv;
-      for (int64_t c = 0; c < d; c += 32) {
-        const int64_t m = std::min<int64_t>(32, d - c);
-        const __mmask32 mask = m == 32 ? 0xFFFFFFFFu : (__mmask32)((1u << m) - 1);
-        const __m512i a = _mm512_maskz_loadu_epi16(mask, even + c);
-        const __m512i b = 2 * t + 1 < keys ? _mm512_maskz_loadu_epi16(mask, even + ldv + c) : _mm512_setzero_si512();
-        _mm512_mask_storeu_epi32(vp.data() + t * d + c, lane_mask(m), _mm512_permutex2var_epi16(a, low, b));
-        _mm512_mask_storeu_epi32(vp.data() + t * d + c + 16, lane_mask(m - 16), _mm512_permutex2var_epi16(a, high, b));
-      }
-    }
+    pairs_along_d(k, ldk, keys, d, kt);
+    pairs_along_rows(v, ldv, keys, d, vp);
   }
   void scores(int64_t qb, int64_t nq, int64_t kb, int64_t nk, float scale, float* S) {
     dot(nq, nk, d / 2, q + qb * ldq, ldq, kt.data() + kb, keys, S, nk, scale, false);
   }
   void accumulate(int64_t nq, int64_t kb, int64_t nk, const float* P, float* O) {
-    const int64_t width = round_pairs(nq, nk, P);
+    const int64_t width = round_to_pairs(P, nk, nq, nk, 1.f, pb);
     dot(nq, d, width / 2, pb.data(), width, vp.data() + kb / 2 * d, d, O, d, 1.f, true);
-  }
-  // P [nq x nk] rounded to bfloat16 into pb, its rows in whole pairs (an odd last key paired with 0);
-  // returns the rows' width.
-  int64_t round_pairs(int64_t nq, int64_t nk, const float* P) {
-    const int64_t width = (nk + 1) / 2 * 2;
-    pb.resize(std::max<size_t>(pb.size(), (size_t)(nq * width)));
-    for (int64_t r = 0; r < nq; ++r) {
-      c10::BFloat16* row = pb.data() + r * width;
-      for_blocks(nk, [&](int64_t j, int64_t m) {
-        VecF a, b;
-        load2(P + r * nk + j, m, a, b);
-        store2(row + j, m, a, b);
-      });
-      if (width > nk) row[nk] = c10::BFloat16(0.f);
-    }
-    return width;
   }
 };
 
@@ -435,9 +448,61 @@ struct BrgemmProducts : Bf16Products {
     for_vectors(nq * nk, [&](int64_t j, int64_t m) { (VecF::loadu(S + j, m) * s).store(S + j, m); });
   }
   void accumulate(int64_t nq, int64_t kb, int64_t nk, const float* P, float* O) {
-    const int64_t width = round_pairs(nq, nk, P);
+    const int64_t width = round_to_pairs(P, nk, nq, nk, 1.f, pb);
     at::native::cpublas::brgemm(nq, d, width, width, d, d, true, pb.data(),
                                 reinterpret_cast<const c10::BFloat16*>(vp.data() + kb / 2 * d), O, true);
+  }
+};
+
+// The backward's products on brgemm, bfloat16 operands with fp32 sums: Q, K, V, dO read in place as left
+// operands or in pair layouts as right ones; the tiles (P, dS) rounded to bfloat16 first, as
+// flash-attention's GPU kernels do. The fp32 work between the products (D, dS, dropout, the dominant key)
+// is the fp32 backward's own.
+struct BrgemmGradients {
+  std::vector<uint32_t> qt, gt, gp, qp, kp;
+  std::vector<c10::BFloat16> left;
+  std::vector<float> transposed;
+  const c10::BFloat16 *k = nullptr, *v = nullptr;
+  int64_t ldk = 0, ldv = 0, d = 0, L = 0;
+
+  static bool serves(int64_t head_dim, int64_t q_row_stride, int64_t g_row_stride) {
+    return head_dim % 2 == 0 && q_row_stride % 2 == 0 && g_row_stride % 2 == 0;
+  }
+  ~BrgemmGradients() { at::native::cpublas::brgemm_release(true); }
+
+  void start(const c10::BFloat16* q, int64_t ldq, const c10::BFloat16* k_rows, int64_t k_stride,
+             const c10::BFloat16* v_rows, int64_t v_stride, const c10::BFloat16* g, int64_t ldg, int64_t rows,
+             int64_t keys, int64_t head_dim) {
+    k = k_rows, ldk = k_stride, v = v_rows, ldv = v_stride, d = head_dim, L = rows;
+    pairs_along_d(q, ldq, L, d, qt);     // Q^T: scores
+    pairs_along_d(g, ldg, L, d, gt);     // dO^T: dP
+    pairs_along_rows(g, ldg, L, d, gp);  // dO: dV
+    pairs_along_rows(q, ldq, L, d, qp);  // Q: dK
+    pairs_along_rows(k, ldk, keys, d, kp);  // K: dQ
+  }
+  const c10::BFloat16* as_bf16(const std::vector<uint32_t>& pairs, int64_t offset) const {
+    return reinterpret_cast<const c10::BFloat16*>(pairs.data() + offset);
+  }
+  void scores(int64_t kb, int64_t nk, int64_t qb, int64_t nq, float scale, float* St) {
+    at::native::cpublas::brgemm(nk, nq, d, ldk, L, nq, false, k + kb * ldk, as_bf16(qt, qb), St, true);
+    const VecF s(scale);
+    for_vectors(nk * nq, [&](int64_t j, int64_t m) { (VecF::loadu(St + j, m) * s).store(St + j, m); });
+  }
+  void probability_grads(int64_t kb, int64_t nk, int64_t qb, int64_t nq, float* dPt) {
+    at::native::cpublas::brgemm(nk, nq, d, ldv, L, nq, false, v + kb * ldv, as_bf16(gt, qb), dPt, true);
+  }
+  void add_dv(int64_t nq, int64_t qb, int64_t nk, const float* Pt, float* dV) {
+    const int64_t width = round_to_pairs(Pt, nq, nk, nq, 1.f, left);
+    at::native::cpublas::brgemm(nk, d, width, width, d, d, true, left.data(), as_bf16(gp, qb / 2 * d), dV, true);
+  }
+  void add_dk_dq(int64_t kb, int64_t nk, int64_t qb, int64_t nq, const float* dSt, float scale, float* dK,
+                 float* dQ) {
+    int64_t width = round_to_pairs(dSt, nq, nk, nq, scale, left);
+    at::native::cpublas::brgemm(nk, d, width, width, d, d, true, left.data(), as_bf16(qp, qb / 2 * d), dK, true);
+    transposed.resize(std::max<size_t>(transposed.size(), (size_t)(nq * nk)));
+    transpose(dSt, nq, nk, nq, transposed.data());  // dS [nq x nk]
+    width = round_to_pairs(transposed.data(), nk, nq, nk, scale, left);
+    at::native::cpublas::brgemm(nq, d, width, width, d, d, true, left.data(), as_bf16(kp, kb / 2 * d), dQ, true);
   }
 };
 #endif
@@ -537,8 +602,44 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
   forward_with<T, Fp32Products<T>>(q, k, v, b, scale, dropout, out, lse);
 }
 
+// The backward's products on fp32 rows (bfloat16 storage converted once per task), by gemm(). Tiles are
+// transposed (key rows x query columns): P^T, dP^T, dS^T.
 template <typename T>
-void backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+struct Fp32Gradients {
+  std::vector<float> qbuf, kbuf, vbuf, gbuf, scratch;
+  Rows<T> Q, K, V, dO;
+  int64_t d = 0;
+
+  void start(const T* q, int64_t ldq, const T* k, int64_t ldk, const T* v, int64_t ldv, const T* g, int64_t ldg,
+             int64_t L, int64_t keys, int64_t head_dim) {
+    d = head_dim;
+    Q = Rows<T>(q, ldq, L, d, qbuf);
+    K = Rows<T>(k, ldk, keys, d, kbuf);
+    V = Rows<T>(v, ldv, keys, d, vbuf);
+    dO = Rows<T>(g, ldg, L, d, gbuf);
+  }
+  // St [nk x nq] = scale * K[kb:] Q[qb:]^T
+  void scores(int64_t kb, int64_t nk, int64_t qb, int64_t nq, float scale, float* St) {
+    gemm(kBackward, false, true, nk, nq, d, K.row(kb), K.ld, Q.row(qb), Q.ld, St, nq, scale, false, scratch);
+  }
+  // dPt [nk x nq] = V[kb:] dO[qb:]^T
+  void probability_grads(int64_t kb, int64_t nk, int64_t qb, int64_t nq, float* dPt) {
+    gemm(kBackward, false, true, nk, nq, d, V.row(kb), V.ld, dO.row(qb), dO.ld, dPt, nq, 1.f, false, scratch);
+  }
+  // dV [nk x d] += Pt dO[qb:]
+  void add_dv(int64_t nq, int64_t qb, int64_t nk, const float* Pt, float* dV) {
+    gemm(kBackward, false, false, nk, d, nq, Pt, nq, dO.row(qb), dO.ld, dV, d, 1.f, true, scratch);
+  }
+  // dK [nk x d] += scale * dSt Q[qb:]; dQ [nq x d] += scale * dSt^T K[kb:]
+  void add_dk_dq(int64_t kb, int64_t nk, int64_t qb, int64_t nq, const float* dSt, float scale, float* dK,
+                 float* dQ) {
+    gemm(kBackward, false, false, nk, d, nq, dSt, nq, Q.row(qb), Q.ld, dK, d, scale, true, scratch);
+    gemm(kBackward, true, false, nq, d, nk, dSt, nq, K.row(kb), K.ld, dQ, d, scale, true, scratch);
+  }
+};
+
+template <typename T, typename Gradients>
+void backward_with(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               const at::Tensor& lse, const Batch& b, float scale, const Dropout& dropout,
               const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv) {
   const Layout lg = layout_of(grad), lq = layout_of(q), lk = layout_of(k), lv = layout_of(v);
@@ -549,7 +650,8 @@ void backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, 
   T *dqp = dq.data_ptr<T>(), *dkp = dk.data_ptr<T>(), *dvp = dv.data_ptr<T>();
   const int64_t d = b.d, Lmax = b.max_length;
   at::parallel_for(0, b.sequences * b.heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qbuf, kbuf, vbuf, gbuf, scratch, D(Lmax), LSE(Lmax), bias(Lmax), dQ(Lmax * d),
+    Gradients products;
+    std::vector<float> D(Lmax), LSE(Lmax), bias(Lmax), dQ(Lmax * d),
         dK(kBlockK * d), dV(kBlockK * d), P(kBlockK * kBlockQ), dP(kBlockK * kBlockQ),
         kept(dropout.on() ? kBlockK * kBlockQ : 0), zeros(d, 0.f), row_total(kBlockQ), dominant(kBlockQ);
     for (int64_t task = begin; task < end; ++task) {
@@ -557,15 +659,13 @@ void backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, 
       if (L == 0) continue;
       const int64_t keys = key_bias(b, i, L, bias.data());
       const bool single_key = std::count(bias.begin(), bias.begin() + keys, 0.f) == 1;
-      const Rows<T> Q(qp + lq.at(i, s0, h, 0), lq.row, L, d, qbuf);
-      const Rows<T> K(kp + lk.at(i, s0, h, 0), lk.row, keys, d, kbuf);
-      const Rows<T> V(vp + lv.at(i, s0, h, 0), lv.row, keys, d, vbuf);
-      const Rows<T> dO(gp + lg.at(i, s0, h, 0), lg.row, L, d, gbuf);
+      products.start(qp + lq.at(i, s0, h, 0), lq.row, kp + lk.at(i, s0, h, 0), lk.row, vp + lv.at(i, s0, h, 0),
+                     lv.row, gp + lg.at(i, s0, h, 0), lg.row, L, keys, d);
       for (int64_t r = 0; r < L; ++r) LSE[r] = lp[ll.at(i, s0, h, r)];
       // P^T [nk, nq] = exp(K Q^T * scale + bias - lse) of tile (kb, qb): -inf bias or +inf lse give 0.
       // With dropout, `kept` gets the probabilities dropout kept, scaled by 1 / (1 - p).
       auto probabilities = [&](int64_t kb, int64_t nk, int64_t qb, int64_t nq) {
-        gemm(kBackward, false, true, nk, nq, d, K.row(kb), K.ld, Q.row(qb), Q.ld, P.data(), nq, scale, false, scratch);
+        products.scores(kb, nk, qb, nq, scale, P.data());
         for (int64_t j = 0; j < nk; ++j) {
           float* p = P.data() + j * nq;
           const VecF kbias(bias[kb + j]);
@@ -600,7 +700,7 @@ void backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, 
           for (int64_t qb = 0; qb < L; qb += kBlockQ) {
             const int64_t nq = std::min(kBlockQ, L - qb);
             const float* Pk = probabilities(kb, nk, qb, nq);
-            gemm(kBackward, false, true, nk, nq, d, V.row(kb), V.ld, dO.row(qb), dO.ld, dP.data(), nq, 1.f, false, scratch);
+            products.probability_grads(kb, nk, qb, nq, dP.data());
             add_to_D(Pk, nk, qb, nq);
           }
         }
@@ -613,9 +713,8 @@ void backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, 
           const int64_t nq = std::min(kBlockQ, L - qb);
           const float* Pk = probabilities(kb, nk, qb, nq);
           // dV takes the dropped probabilities
-          gemm(kBackward, false, false, nk, d, nq, Pk, nq, dO.row(qb), dO.ld, dV.data(), d, 1.f, true, scratch);
-          gemm(kBackward, false, true, nk, nq, d,
-               V.row(kb), V.ld, dO.row(qb), dO.ld, dP.data(), nq, 1.f, false, scratch);
+          products.add_dv(nq, qb, nk, Pk, dV.data());
+          products.probability_grads(kb, nk, qb, nq, dP.data());
           if (one_key_block) add_to_D(Pk, nk, qb, nq);
           if (single_key) {  // softmax over one key is constant: q and k get exactly no gradient
             std::fill(dP.begin(), dP.begin() + nk * nq, 0.f);
@@ -650,9 +749,7 @@ void backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, 
                 ds = -(row_total[r] - ds);
               }
           }
-          gemm(kBackward, false, false, nk, d, nq, dP.data(), nq, Q.row(qb), Q.ld, dK.data(), d, scale, true, scratch);
-          gemm(kBackward, true, false, nq, d, nk,
-               dP.data(), nq, K.row(kb), K.ld, dQ.data() + qb * d, d, scale, true, scratch);
+          products.add_dk_dq(kb, nk, qb, nq, dP.data(), scale, dK.data(), dQ.data() + qb * d);
         }
         for (int64_t j = 0; j < nk; ++j) {
           store_row(dkp + ldk.at(i, s0, h, kb + j), dK.data() + j * d, d, 1.f);
@@ -666,6 +763,13 @@ void backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, 
       for (int64_t r = 0; r < L; ++r) store_row(dqp + ldq.at(i, s0, h, r), dQ.data() + r * d, d, 1.f);
     }
   });
+}
+
+template <typename T>
+void backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+              const at::Tensor& lse, const Batch& b, float scale, const Dropout& dropout,
+              const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv) {
+  backward_with<T, Fp32Gradients<T>>(grad, q, k, v, lse, b, scale, dropout, dq, dk, dv);
 }
 
 void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
@@ -732,6 +836,27 @@ void attention_bwd(const at::Tensor& grad, const at::Tensor& q, const at::Tensor
   else TORCH_CHECK(false, "attention: dtype ", q.scalar_type(), " (supported: float32, bfloat16)");
 }
 
+// attention_bwd with its products on brgemm (BrgemmGradients), for attention_fwd_brgemm's forward.
+void attention_bwd_brgemm(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& key_mask,
+                          const std::optional<at::Tensor>& cu_seqlens, double scale, double dropout_p, int64_t seed,
+                          const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv) {
+#ifdef FASTBERT_AVX512_BF16
+  const Dropout dropout = make_dropout(dropout_p, seed);
+  check_inputs(q, k, v);
+  for (const auto* t : {&grad, &out, &dq, &dk, &dv})
+    TORCH_CHECK(t->sizes() == q.sizes() && t->stride(-1) == 1 && t->scalar_type() == q.scalar_type(),
+                "attention: grad, out, dq, dk, dv must match q");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16, "attention_bwd_brgemm: bfloat16 only, got ", q.scalar_type());
+  TORCH_CHECK(BrgemmGradients::serves(q.size(-1), layout_of(q).row, layout_of(grad).row),
+              "attention_bwd_brgemm: needs an even head dim and even q and grad row strides");
+  backward_with<at::BFloat16, BrgemmGradients>(grad, q, k, v, lse, describe(q, key_mask, cu_seqlens), (float)scale,
+                                               dropout, dq, dk, dv);
+#else
+  TORCH_CHECK(false, "attention_bwd_brgemm: fastbert._C was built without avx512_bf16");
+#endif
+}
+
 // The keep mask the kernels apply, as a bool [sequences, heads, rows, cols] tensor: for tests.
 // Attention's block (i, h) is (sequence, head); row-wise kernels use sequences = heads = 1.
 at::Tensor dropout_keep(int64_t seed, double dropout_p, int64_t sequences, int64_t heads, int64_t rows,
@@ -753,6 +878,7 @@ TORCH_LIBRARY_IMPL(fastbert_C, CPU, m) {
   m.impl("attention_fwd", &fastbert::attention_fwd);
   m.impl("attention_bwd", &fastbert::attention_bwd);
   m.impl("attention_fwd_brgemm", &fastbert::attention_fwd_brgemm);
+  m.impl("attention_bwd_brgemm", &fastbert::attention_bwd_brgemm);
 }
 
 TORCH_LIBRARY_IMPL(fastbert_C, CompositeExplicitAutograd, m) {

@@ -128,9 +128,15 @@ def _cxx_backward(grad, q, k, v, out, lse, key_mask, cu_seqlens, max_seqlen, sca
 CXX = SPEC.kernels("cxx", _cxx_forward, _cxx_backward, by_device)
 
 
+def _even_rows(t: torch.Tensor) -> torch.Tensor:
+    """t with an even row stride (rows of [B, heads, S, d] or [T, heads, d]): brgemm's kernels read its rows
+    as bfloat16 pairs."""
+    return t if t.stride(0 if t.dim() == 3 else 2) % 2 == 0 else t.contiguous()
+
+
 def _brgemm_forward(q, k, v, key_mask, cu_seqlens, max_seqlen, scale, dropout_p, seed):
-    q, k, v = (_head_dim_contiguous(t) for t in (q, k, v))
-    k = k if k.stride(-2) % 2 == 0 else k.contiguous()  # K's rows are read as bfloat16 pairs
+    q, v = (_head_dim_contiguous(t) for t in (q, v))
+    k = _even_rows(_head_dim_contiguous(k))
     out = _empty_output(q)
     lse = _alloc.empty(_lse_shape(q), dtype=torch.float32, device=q.device)
     torch.ops.fastbert_C.attention_fwd_brgemm(q, k, v, key_mask, cu_seqlens, scale, dropout_p, seed_int(seed), out,
@@ -138,9 +144,17 @@ def _brgemm_forward(q, k, v, key_mask, cu_seqlens, max_seqlen, scale, dropout_p,
     return out, lse
 
 
-# The forward's products on ATen's brgemm (AMX tiles where the CPU has them); the same logsumexp, so the
-# backward is the C++ kernel's.
-BRGEMM = SPEC.kernels("brgemm", _brgemm_forward, _cxx_backward, "cpu")
+def _brgemm_backward(grad, q, k, v, out, lse, key_mask, cu_seqlens, max_seqlen, scale, dropout_p, seed):
+    k, v, out = (_head_dim_contiguous(t) for t in (k, v, out))
+    grad, q = (_even_rows(_head_dim_contiguous(t)) for t in (grad, q))
+    dq, dk, dv = _empty_output(q), _empty_output(q), _empty_output(q)
+    torch.ops.fastbert_C.attention_bwd_brgemm(grad, q, k, v, out, lse, key_mask, cu_seqlens, scale, dropout_p,
+                                              seed_int(seed), dq, dk, dv)
+    return dq, dk, dv
+
+
+# Both passes' products on ATen's brgemm (AMX tiles where the CPU has them), the rest as the C++ kernel's.
+BRGEMM = SPEC.kernels("brgemm", _brgemm_forward, _brgemm_backward, "cpu")
 
 
 def _cxx(q, k, v, attention_mask, dropout_p, scale, need_weights, pair=CXX):
@@ -158,9 +172,9 @@ def _cxx_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale, pair=CXX):
 
 @functools.lru_cache(maxsize=None)
 def _brgemm_machine_reasons() -> tuple[str, ...]:
-    """Why this machine cannot run the brgemm forward: a build without avx512_bf16, or a one-time check
-    against the C++ kernel that fails (oneDNN picks its own code per CPU, AMX among them: the check runs
-    it on the CPU that will use it)."""
+    """Why this machine cannot run the brgemm kernels: a build without avx512_bf16, or a one-time check
+    against the C++ kernel, forward and backward, that fails (oneDNN picks its own code per CPU, AMX among
+    them: the check runs it on the CPU that will use it)."""
     from fastbert import _C
     from fastbert.testing import tolerance
 
@@ -170,14 +184,16 @@ def _brgemm_machine_reasons() -> tuple[str, ...]:
     q, k, v = (torch.randn(2, 2, 77, 64, generator=g).bfloat16() for _ in range(3))
     mask = torch.ones(2, 77, dtype=torch.bool)
     mask[1, 50:] = False
+    grad = torch.randn(q.shape, generator=g).bfloat16()
     with torch.inference_mode():
-        ours, lse = _cxx_forward(q, k, v, mask, None, 77, 0.125, 0.0, None)
-        theirs, lse_b = _brgemm_forward(q, k, v, mask, None, 77, 0.125, 0.0, None)
-    err = float((theirs.float() - ours.float()).norm() / ours.float().norm())
-    lse_err = float((lse_b - lse).abs().max())
-    if not (err <= tolerance(torch.bfloat16, "matmul") and lse_err <= 1e-2):
-        return (f"brgemm's forward disagrees with the C++ kernel on this CPU (rel err {err:.3g}, "
-                f"logsumexp {lse_err:.3g})",)
+        out, lse = _cxx_forward(q, k, v, mask, None, 77, 0.125, 0.0, None)
+        ours = (out, lse, *_cxx_backward(grad, q, k, v, out, lse, mask, None, 77, 0.125, 0.0, None))
+        theirs = _brgemm_forward(q, k, v, mask, None, 77, 0.125, 0.0, None)
+        theirs = (*theirs, *_brgemm_backward(grad, q, k, v, *theirs, mask, None, 77, 0.125, 0.0, None))
+    errs = [float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(theirs, ours)]
+    if not max(errs) <= tolerance(torch.bfloat16, "grad"):
+        return ("brgemm disagrees with the C++ kernel on this CPU (rel err of out, logsumexp, dq, dk, dv: "
+                + ", ".join(f"{e:.3g}" for e in errs) + ")",)
     return ()
 
 

@@ -757,3 +757,31 @@ def test_brgemm_variant_past_one_key_block(spec, case):
         pytest.skip("; ".join(why["brgemm"]))
     args, kwargs = case.make(torch.bfloat16, "cpu")
     check_parity(spec, "cpu", torch.bfloat16, args, kwargs, "brgemm")
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("op", ["attention", "varlen_attention"])
+def test_brgemm_variant_drops_what_the_cpu_kernel_drops(op):
+    """With dropout, brgemm's forward and backward keep the elements the C++ kernel keeps (the same seeded
+    hash, checked against the keep mask elsewhere): outputs and gradients agree within the bf16 row."""
+    why = dispatch.usable_variants(op, "cpu", dispatch.Facts(("cpu",), (torch.bfloat16,), dropout=True))[1]
+    if why.get("brgemm"):
+        pytest.skip("; ".join(why["brgemm"]))
+    if op == "attention":
+        args = tuple(randn(2, 3, 90, 64, dtype=torch.bfloat16, device="cpu") for _ in range(3)) + (
+            padding_mask(2, 90, "cpu"),)
+    else:
+        args = tuple(randn(150, 3, 64, dtype=torch.bfloat16, device="cpu") for _ in range(3)) + (
+            cu_seqlens([90, 1, 59], "cpu"), 90)
+    grad = torch.randn(args[0].shape).bfloat16()
+    results = {}
+    for variant in ("fastbert", "brgemm"):
+        leaves = [a.detach().clone().requires_grad_() if i < 3 else a for i, a in enumerate(args)]
+        torch.manual_seed(7)
+        with dispatch.use_variant(op, variant), poison_outputs(), dispatch.record() as calls:
+            out = getattr(ops, op)(*leaves, dropout_p=0.3)
+            out.backward(grad)
+        assert {c.variant for c in calls if c[0] == op} == {variant}
+        results[variant] = [out.detach(), *(t.grad for t in leaves[:3])]
+    for name, ours, theirs in zip(("out", "dq", "dk", "dv"), results["brgemm"], results["fastbert"]):
+        assert_close(ours.float(), theirs.double(), torch.bfloat16, "grad", name=name)
