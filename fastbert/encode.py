@@ -66,6 +66,22 @@ def token_budget_batches(lengths: list[int], batch_tokens: int) -> list[list[int
     return batches + ([current] if current else [])
 
 
+def cache_tokens(model, device: torch.device) -> int | None:
+    """On a CPU, the most tokens a forward should take: those whose widest activation (the FFN's [tokens,
+    intermediate]) fits the last-level cache, as a power of two, at least 1024 (narrower GEMMs lose more
+    than the cache saves). Wider batches stream every layer's activations through memory: MiniLM fp32 ran
+    25% faster at 4096 tokens than at 16384 (benchmarks/RESULTS.md). None on GPUs, or where the cache
+    size cannot be read."""
+    from fastbert import tuning
+
+    llc = tuning.cache_bytes(3) or tuning.cache_bytes(2)
+    if device.type != "cpu" or llc is None:
+        return None
+    width = model.config.intermediate_size * torch.finfo(next(model.parameters()).dtype).bits // 8
+    fits = max(llc // width, 1024)
+    return 1 << (fits.bit_length() - 1)
+
+
 def tokenize(tokenizer, texts: list[str], max_length: int, truncate: bool, first_index: int = 0) -> list[list[int]]:
     """Token ids with special tokens; a text over max_length is truncated, or (truncate=False) an error
     naming its index (first_index + position)."""
@@ -100,6 +116,8 @@ def encode_windows(model, texts: Iterable[str], tokenizer, pooling: str = "mean"
         raise ValueError(f"batch_tokens and window must be positive, got {batch_tokens} and {window}")
     max_length = max_length or default_max_length(model, tokenizer)
     device = next(model.parameters()).device
+    # The budget bounds memory; on a CPU the model runs it in cache-sized batches.
+    budget = min(batch_tokens, cache_tokens(model, device) or batch_tokens)
     pad = tokenizer.pad_token_id or 0
     start, it = 0, iter(texts)
     while True:
@@ -111,7 +129,7 @@ def encode_windows(model, texts: Iterable[str], tokenizer, pooling: str = "mean"
                 raise TypeError(f"text {start + k} is a {type(t).__name__}, not a str")
         ids = tokenize(tokenizer, chunk, max_length, truncate, start)
         results: list = [None] * len(chunk)
-        for batch in token_budget_batches([len(r) for r in ids], batch_tokens):
+        for batch in token_budget_batches([len(r) for r in ids], budget):
             longest = len(ids[batch[0]])
             x = torch.full((len(batch), longest), pad, dtype=torch.long)
             mask = torch.zeros((len(batch), longest), dtype=torch.long)

@@ -56,6 +56,28 @@ def cpu() -> dict:
     return {"model": model, "features": [f for f in ISA_FEATURES if f in flags]}
 
 
+_CACHES = "/sys/devices/system/cpu/cpu0/cache"
+
+
+@functools.lru_cache(maxsize=None)
+def cache_bytes(level: int) -> int | None:
+    """The size of one CPU's level-`level` cache (data or unified) from sysfs; None where it cannot be read."""
+    try:
+        for index in sorted(os.listdir(_CACHES)):
+            with open(os.path.join(_CACHES, index, "level")) as f:
+                if f.read().strip() != str(level):
+                    continue
+            with open(os.path.join(_CACHES, index, "type")) as f:
+                if f.read().strip() == "Instruction":
+                    continue
+            with open(os.path.join(_CACHES, index, "size")) as f:
+                size = f.read().strip().upper()
+            return int(size.rstrip("KMB")) * (1 << 20 if size.endswith("M") else 1 << 10 if size.endswith("K") else 1)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 @functools.lru_cache(maxsize=None)
 def _machine_base() -> str:
     try:

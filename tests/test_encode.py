@@ -57,6 +57,21 @@ def test_token_budget_batches_cover_every_text_once_within_budget():
         assert lengths[b[0]] == max(lengths[i] for i in b)
 
 
+def test_cpu_runs_the_budget_in_cache_sized_batches(minilm, monkeypatch):
+    model, tokenizer = minilm
+    tokens = sys.modules["fastbert.encode"].cache_tokens(model, torch.device("cpu"))
+    if tokens is not None:  # a power of two, at least 1024, from the machine's cache size
+        assert tokens >= 1024 and tokens & (tokens - 1) == 0
+    assert sys.modules["fastbert.encode"].cache_tokens(model, torch.device("cuda")) is None  # GPUs: the budget as given
+    monkeypatch.setattr(sys.modules["fastbert.encode"], "cache_tokens", lambda model, device: 256)
+    seen = []
+    windows = sys.modules["fastbert.encode"].encode_windows(model, SENTENCES[:60], tokenizer, batch_tokens=10**6,
+                                                             on_batch=lambda texts, tokens: seen.append(tokens))
+    embeddings = torch.cat([e for _, e in windows])
+    assert len(seen) > 1 and max(seen) <= 256  # (no sentence here is longer than 256 tokens)
+    assert_matches(embeddings, fastbert.encode(model, SENTENCES[:60], tokenizer, batch_tokens=10**6), name="embeddings")
+
+
 def test_bad_arguments_are_named(minilm):
     model, tokenizer = minilm
     with pytest.raises(ValueError, match="pooling must be one of"):

@@ -5,12 +5,11 @@ dtype."""
 from __future__ import annotations
 
 import functools
-import os
 from typing import Callable, NamedTuple
 
 import torch
 
-from fastbert import dispatch
+from fastbert import dispatch, tuning
 from fastbert.ops import _alloc, _checks, _onednn, reference
 from fastbert.ops._op import needs_grad
 from fastbert.ops.dense import EPILOGUES, linear_checks, linear_class
@@ -210,24 +209,10 @@ def _cpu(x, weight, weight_scale, bias, epilogue, prepared, quantize_output, inp
     return out.view(*lead, n)
 
 
-@functools.lru_cache(maxsize=None)
 def _cache_bytes() -> int:
-    """Twice one core's L2 (from sysfs; 2 MiB where it cannot be read): what a GEMM block may fill. Smaller
-    blocks leave oneDNN too few rows to be fast; whole GEMMs spill to memory (benchmarks/RESULTS.md)."""
-    try:
-        for index in sorted(os.listdir(_CACHES)):
-            with open(os.path.join(_CACHES, index, "level")) as f:
-                if f.read().strip() != "2":
-                    continue
-            with open(os.path.join(_CACHES, index, "size")) as f:
-                size = f.read().strip().upper()
-            return int(size.rstrip("KM")) * (1 << 20 if size.endswith("M") else 1 << 10) * 2
-    except (OSError, ValueError):
-        pass
-    return 2 << 20
-
-
-_CACHES = "/sys/devices/system/cpu/cpu0/cache"
+    """Twice one core's L2 (2 MiB where it cannot be read): what a GEMM block may fill. Smaller blocks leave
+    oneDNN too few rows to be fast; whole GEMMs spill to memory (benchmarks/RESULTS.md)."""
+    return 2 * (tuning.cache_bytes(2) or 1 << 20)
 
 
 def rows_per_block(n: int) -> int:
