@@ -71,12 +71,19 @@ def variants_report() -> list[str]:
 
     lines = ["Variants of the cpu backend (static default first; the fastest is measured once per kind of call "
              f"and cached: {'on' if tuning.enabled() else 'off, FASTBERT_CPU_TUNE=0'}; cache {tuning.cache_path()}):"]
-    facts = dispatch.Facts(("cpu",), (torch.float32,))
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     for op in dispatch.OPS:
         names = dispatch.variant_names(op, "cpu")
         if names:
-            _, why = dispatch.usable_variants(op, "cpu", facts)
-            cells = [name + (f" (unavailable: {'; '.join(why[name])})" if name in why else "") for name in names]
+            why = {d: dispatch.usable_variants(op, "cpu", dispatch.Facts(("cpu",), (t,)))[1] for d, t in dtypes.items()}
+            cells = []
+            for name in names:
+                serves = [d for d in dtypes if name not in why[d]]
+                if not serves:
+                    reasons = sorted({r for d in dtypes for r in why[d][name]})
+                    cells.append(f"{name} (unavailable: {'; '.join(reasons)})")
+                else:
+                    cells.append(name + ("" if len(serves) == len(dtypes) else f" ({'/'.join(serves)} only)"))
             lines.append(f"  {op}: {', '.join(cells)}")
     lines.append("  Force one with FASTBERT_VARIANT_<OP>=<variant> or fastbert.dispatch.use_variant(op, variant).")
     measured = tuning.entries()
