@@ -19,13 +19,14 @@ import torch
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def _same(alias: torch.Tensor, version: int, tensor: torch.Tensor) -> bool:
-    return (tensor.data_ptr() == alias.data_ptr() and tensor._version == version and tensor.dtype == alias.dtype
-            and tensor.device == alias.device and tensor.shape == alias.shape and tensor.stride() == alias.stride())
+def _stamp(t: torch.Tensor) -> tuple:
+    """What must be unchanged for a prepared value to still be t's: its storage (the entry's alias keeps
+    that address from being reused), version, dtype, device, shape and strides."""
+    return t.data_ptr(), t._version, t.dtype, t.device, t.shape, t.stride()
 
 
 class PreparedWeights:
-    """name -> (the sources' aliases and versions, the prepared value)."""
+    """name -> (the sources' aliases, their stamps, the prepared value)."""
 
     def __init__(self):
         self._entries: dict[str, tuple[tuple, object]] = {}
@@ -36,14 +37,14 @@ class PreparedWeights:
                 or any(type(s) not in _PLAIN or s.is_inference() for s in sources)):
             return make(*sources)  # inference tensors carry no version: nothing could tell a change
         hit = self._entries.get(name)
-        if hit is not None and all(_same(a, v, s) for (a, v), s in zip(hit[0], sources)) and len(hit[0]) == len(sources):
-            return hit[1]
+        if hit is not None and hit[1] == tuple(_stamp(s) for s in sources):
+            return hit[2]
         # Made outside inference mode so the value is an ordinary tensor (with a version) in any mode. The
         # stamp is taken first: a source written while `make` runs leaves an entry that never matches.
         with torch.inference_mode(False), torch.no_grad():
-            stamp = tuple((s.detach(), s._version) for s in sources)
+            aliases, stamps = tuple(s.detach() for s in sources), tuple(_stamp(s) for s in sources)
             value = make(*sources)
-        self._entries[name] = (stamp, value)  # one dict store: atomic under the GIL
+        self._entries[name] = (aliases, stamps, value)  # one dict store: atomic under the GIL
         return value
 
     def clear(self) -> None:
