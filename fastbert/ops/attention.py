@@ -181,19 +181,19 @@ def _brgemm_machine_reasons() -> tuple[str, ...]:
     if not _C.AVX512_BF16:
         return ("fastbert._C was built without avx512_bf16 (the pair layouts brgemm reads are made with it)",)
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 2, 77, 64, generator=g).bfloat16() for _ in range(3))
-    mask = torch.ones(2, 77, dtype=torch.bool)
-    mask[1, 50:] = False
-    grad = torch.randn(q.shape, generator=g).bfloat16()
-    with torch.inference_mode():
-        out, lse = _cxx_forward(q, k, v, mask, None, 77, 0.125, 0.0, None)
-        ours = (out, lse, *_cxx_backward(grad, q, k, v, out, lse, mask, None, 77, 0.125, 0.0, None))
-        theirs = _brgemm_forward(q, k, v, mask, None, 77, 0.125, 0.0, None)
-        theirs = (*theirs, *_brgemm_backward(grad, q, k, v, *theirs, mask, None, 77, 0.125, 0.0, None))
-    errs = [float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(theirs, ours)]
-    if not max(errs) <= tolerance(torch.bfloat16, "grad"):
-        return ("brgemm disagrees with the C++ kernel on this CPU (rel err of out, logsumexp, dq, dk, dv: "
-                + ", ".join(f"{e:.3g}" for e in errs) + ")",)
+    # Tails of every tile (77 rows, a masked sequence) and full tiles over two key blocks (600 rows).
+    for batch, seq, kept in ((2, 77, 50), (1, 600, 600)):
+        q, k, v, grad = (torch.randn(batch, 2, seq, 64, generator=g).bfloat16() for _ in range(4))
+        mask = torch.arange(seq)[None] < torch.tensor([seq] + [kept] * (batch - 1))[:, None]
+        with torch.inference_mode():
+            out, lse = _cxx_forward(q, k, v, mask, None, seq, 0.125, 0.0, None)
+            ours = (out, lse, *_cxx_backward(grad, q, k, v, out, lse, mask, None, seq, 0.125, 0.0, None))
+            theirs = _brgemm_forward(q, k, v, mask, None, seq, 0.125, 0.0, None)
+            theirs = (*theirs, *_brgemm_backward(grad, q, k, v, *theirs, mask, None, seq, 0.125, 0.0, None))
+        errs = [float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(theirs, ours)]
+        if not max(errs) <= tolerance(torch.bfloat16, "grad"):
+            return (f"brgemm disagrees with the C++ kernel on this CPU ({batch}x{seq}: rel err of out, logsumexp, "
+                    "dq, dk, dv: " + ", ".join(f"{e:.3g}" for e in errs) + ")",)
     return ()
 
 

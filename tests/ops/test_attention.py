@@ -1,5 +1,7 @@
 """attention and varlen_attention (one kernel stem: padded with a key mask, or packed by cu_seqlens), on
 every backend against the float64 reference; their fused dropout on cpu, triton and cuda."""
+import sys
+
 import pytest
 import torch
 
@@ -785,3 +787,26 @@ def test_brgemm_variant_drops_what_the_cpu_kernel_drops(op):
         results[variant] = [out.detach(), *(t.grad for t in leaves[:3])]
     for name, ours, theirs in zip(("out", "dq", "dk", "dv"), results["brgemm"], results["fastbert"]):
         assert_close(ours.float(), theirs.double(), torch.bfloat16, "grad", name=name)
+
+
+@needs_cpu_kernels
+def test_brgemm_is_refused_where_its_check_against_the_cpp_kernel_fails(monkeypatch):
+    """The one-time check that guards brgemm on CPUs CI never sees (AMX) can fail, and then dispatch
+    never runs it: a forced brgemm raises with the check's numbers."""
+    attention_module = sys.modules["fastbert.ops.attention"]
+    if attention_module._brgemm_machine_reasons():
+        pytest.skip("; ".join(attention_module._brgemm_machine_reasons()))
+    right = attention_module._brgemm_forward
+    monkeypatch.setattr(attention_module, "_brgemm_forward", lambda *args: (right(*args)[0] * 1.5, right(*args)[1]))
+    attention_module._brgemm_machine_reasons.cache_clear()
+    dispatch._choices.clear()
+    try:
+        assert "disagrees with the C++ kernel" in attention_module._brgemm_machine_reasons()[0]
+        q, k, v = (torch.randn(1, 2, 9, 16).bfloat16() for _ in range(3))
+        with dispatch.use_variant("attention", "brgemm"), pytest.raises(BackendUnavailable, match="disagrees"):
+            ops.attention(q, k, v)
+    finally:
+        monkeypatch.undo()
+        attention_module._brgemm_machine_reasons.cache_clear()
+        dispatch._choices.clear()
+    assert attention_module._brgemm_machine_reasons() == ()
