@@ -70,7 +70,7 @@ def cache_tokens(model, device: torch.device) -> int | None:
     """On a CPU, the most tokens a forward should take: those whose widest activation (the FFN's [tokens,
     intermediate]) fits the last-level cache, as a power of two, at least 1024 (narrower GEMMs lose more
     than the cache saves). Wider batches stream every layer's activations through memory: MiniLM fp32 ran
-    25% faster at 4096 tokens than at 16384 (benchmarks/RESULTS.md). None on GPUs, or where the cache
+    1.46x faster at 4096 tokens than at 16384 (benchmarks/RESULTS.md). None on GPUs, or where the cache
     size cannot be read."""
     from fastbert import tuning
 

@@ -175,9 +175,12 @@ def _brgemm_machine_reasons() -> tuple[str, ...]:
     """Why this machine cannot run the brgemm kernels: a build without avx512_bf16, or a one-time check
     against the C++ kernel, forward and backward, that fails (oneDNN picks its own code per CPU, AMX among
     them: the check runs it on the CPU that will use it)."""
-    from fastbert import _C
     from fastbert.testing import tolerance
 
+    try:
+        from fastbert import _C
+    except ImportError as e:
+        return (f"fastbert._C is not built ({e})",)
     if not _C.AVX512_BF16:
         return ("fastbert._C was built without avx512_bf16 (the pair layouts brgemm reads are made with it)",)
     g = torch.Generator().manual_seed(0)
