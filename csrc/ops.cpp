@@ -46,7 +46,7 @@ TORCH_LIBRARY(fastbert_C, m) {
   // fastbert's own int8 GEMM: weight int8 [n, k] -> packed int8 [ceil(n/16), ceil(k/4), 16, 4] (padding zero);
   // out[m, n] = weight_scale[n] * float(sum_k q[m, k] * weight[n, k]) for q uint8 [m, k], the int32 sum exact;
   // n, k: the packed weight's shape. isa: 0 the best this CPU has, 1 portable C++, 2 AVX-VNNI (256-bit),
-  // 3 AVX512-VNNI.
+  // 3 AVX512-VNNI, 4 AVX2 without VNNI (int16 pairs).
   m.def("int8_pack(Tensor weight) -> Tensor");
   m.def("int8_matmul(Tensor q, Tensor packed, int n, int k, Tensor weight_scale, int isa, Tensor(a!) out) -> ()");
   m.def("int8_isa_supported(int isa) -> bool");  // whether int8_matmul runs with this isa here

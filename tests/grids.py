@@ -30,3 +30,13 @@ def skip_unless_runnable(op: str, backend: str, dtype: torch.dtype) -> str:
     if backend == "triton" and device == "cpu" and dtype == torch.bfloat16:
         pytest.skip("bf16 is wrong under the Triton interpreter (arithmetic gives NaN, tl.dot garbage); runs on a GPU")
     return device
+
+
+def skip_unless_variant(op: str, variant: str, dtype: torch.dtype) -> str:
+    """skip_unless_runnable for the cpu backend, and skip where its `variant` cannot serve `dtype` on this
+    machine (dispatch never picks it then: oneDNN's bfloat16 GEMM on an AVX2-only CPU); the device."""
+    device = skip_unless_runnable(op, "cpu", dtype)
+    why = dispatch.usable_variants(op, "cpu", dispatch.Facts((device,), (dtype,)))[1]
+    if why.get(variant):
+        pytest.skip(f"{variant}: {'; '.join(why[variant])}")
+    return device

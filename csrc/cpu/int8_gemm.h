@@ -9,19 +9,22 @@
 //
 // ISA-specific code carries __attribute__((target(...))) per function instead of global -m flags: the
 // file builds on a machine with AVX2 only, or without AVX, and the runtime check picks what the CPU has.
-// Only vpdpbusd is used for the SIMD paths: it adds 4 u8 x s8 products into int32 without intermediate
-// saturation (vpmaddubsw would saturate 255 * 127 * 2 to int16).
+// The VNNI paths use vpdpbusd: it adds 4 u8 x s8 products into int32 without intermediate saturation
+// (vpmaddubsw would saturate 255 * 127 * 2 to int16, which is what oneDNN does on CPUs without VNNI).
+// The AVX2 path widens both to int16 and multiplies pairs into int32 (vpmaddwd): exact, at half the rate.
 #pragma once
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
 #define FASTBERT_AVX512_VNNI __attribute__((target("avx512f,avx512vnni")))
 #define FASTBERT_AVX_VNNI __attribute__((target("avx2,avxvnni")))
+#define FASTBERT_AVX2 __attribute__((target("avx2")))
 #endif
 
 namespace fastbert {
@@ -34,7 +37,7 @@ constexpr int64_t kBlockBytes = kCols * kGroup;
 constexpr int64_t kMaxK = INT32_MAX / (255 * 128);
 
 // isa argument of int8_matmul.
-enum Isa : int64_t { kBest = 0, kPortable = 1, kAvxVnni = 2, kAvx512Vnni = 3 };
+enum Isa : int64_t { kBest = 0, kPortable = 1, kAvxVnni = 2, kAvx512Vnni = 3, kAvx2 = 4, kLastIsa = kAvx2 };
 
 inline int64_t blocks(int64_t n) { return (n + kCols - 1) / kCols; }
 inline int64_t groups(int64_t k) { return (k + kGroup - 1) / kGroup; }
@@ -44,13 +47,17 @@ inline const char* isa_name(int64_t isa) {
     case kPortable: return "portable C++";
     case kAvxVnni: return "AVX-VNNI (256-bit)";
     case kAvx512Vnni: return "AVX512-VNNI";
+    case kAvx2: return "AVX2 (no VNNI)";
     default: return "best available";
   }
 }
 
 // The CPU features an ISA needs, as /proc/cpuinfo names them (for error messages).
 inline const char* isa_features(int64_t isa) {
-  return isa == kAvx512Vnni ? "avx512f and avx512_vnni" : isa == kAvxVnni ? "avx2 and avx_vnni" : "nothing";
+  return isa == kAvx512Vnni ? "avx512f and avx512_vnni"
+         : isa == kAvxVnni  ? "avx2 and avx_vnni"
+         : isa == kAvx2     ? "avx2"
+                            : "nothing";
 }
 
 inline bool cpu_has(int64_t isa) {
@@ -59,8 +66,10 @@ inline bool cpu_has(int64_t isa) {
   // __builtin_cpu_supports also checks that the OS saves the wide registers (XCR0).
   static const bool avx512_vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vnni");
   static const bool avx_vnni = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("avxvnni");
+  static const bool avx2 = __builtin_cpu_supports("avx2");
   if (isa == kAvx512Vnni) return avx512_vnni;
   if (isa == kAvxVnni) return avx_vnni;
+  if (isa == kAvx2) return avx2;
 #endif
   return false;
 }
@@ -68,6 +77,7 @@ inline bool cpu_has(int64_t isa) {
 inline int64_t best_isa() {
   if (cpu_has(kAvx512Vnni)) return kAvx512Vnni;
   if (cpu_has(kAvxVnni)) return kAvxVnni;
+  if (cpu_has(kAvx2)) return kAvx2;
   return kPortable;
 }
 
@@ -95,6 +105,7 @@ struct Problem {
   float* out;
   int64_t m, n, k;
   int64_t block_stride;  // bytes from one 16-channel block to the next: groups(k) * 64
+  const int32_t* pairs = nullptr;  // the AVX2 path's q, as split_pairs made it
 };
 
 // Four bytes of a q row as one int32 lane: group g of a row with k values; past k they are zero (the
@@ -209,6 +220,32 @@ FASTBERT_AVX512_VNNI void tile_avx512(const Problem& p, int64_t row, int64_t blo
   }
 }
 
+// out[row + r, block's 16 channels] = scale x float(lo[r] : hi[r]), clipped to n.
+template <int kRows>
+FASTBERT_AVX2 __attribute__((always_inline)) inline void store_ymm(const Problem& p, int64_t row, int64_t block,
+                                                                   const __m256i (&lo)[kRows],
+                                                                   const __m256i (&hi)[kRows]) {
+  const int64_t col0 = block * kCols, cols = std::min(kCols, p.n - col0);
+  float scale[kCols] = {};
+  std::memcpy(scale, p.scale + col0, cols * sizeof(float));  // the scale vector ends at n
+  const __m256 scale_lo = _mm256_loadu_ps(scale), scale_hi = _mm256_loadu_ps(scale + 8);
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r) {
+    float* out = p.out + (row + r) * p.n + col0;
+    const __m256 y_lo = _mm256_mul_ps(scale_lo, _mm256_cvtepi32_ps(lo[r]));
+    const __m256 y_hi = _mm256_mul_ps(scale_hi, _mm256_cvtepi32_ps(hi[r]));
+    if (cols == kCols) {
+      _mm256_storeu_ps(out, y_lo);
+      _mm256_storeu_ps(out + 8, y_hi);
+    } else {
+      float y[kCols];
+      _mm256_storeu_ps(y, y_lo);
+      _mm256_storeu_ps(y + 8, y_hi);
+      std::memcpy(out, y, cols * sizeof(float));
+    }
+  }
+}
+
 // ---------------------------------------------------------------- AVX-VNNI: one block is two ymm
 
 template <int kRows>
@@ -245,25 +282,73 @@ FASTBERT_AVX_VNNI void tile_avx_vnni(const Problem& p, int64_t row, int64_t bloc
     for (int r = 0; r < kRows; ++r) x[r] = load_group(q + r * p.k, full, p.k);
     group_avx_vnni(lo, hi, w + full * kBlockBytes, x);
   }
-  const int64_t col0 = block * kCols, cols = std::min(kCols, p.n - col0);
-  float scale[kCols] = {};
-  std::memcpy(scale, p.scale + col0, cols * sizeof(float));  // the scale vector ends at n
-  const __m256 scale_lo = _mm256_loadu_ps(scale), scale_hi = _mm256_loadu_ps(scale + 8);
+  store_ymm(p, row, block, lo, hi);
+}
+
+// ---------------------------------------------------------------- AVX2 without VNNI: int16 pairs
+
+// A block's 16 channels x 4 k bytes are two ymm (8 channels each); every int32 lane holds one channel's
+// 4 weights w0..w3. As int16 they split into even (w0, w2) and odd (w1, w3) pairs, and each q group of 4
+// bytes the same way, so two vpmaddwd give x0 w0 + x2 w2 and x1 w1 + x3 w3 per lane: exact, as
+// 255 x 128 x 2 fits int32 (vpmaddubsw would saturate it in int16).
+FASTBERT_AVX2 __attribute__((always_inline)) inline __m256i even_bytes(__m256i w) {
+  return _mm256_srai_epi16(_mm256_slli_epi16(w, 8), 8);
+}
+
+// acc += x_even . w_even + x_odd . w_odd, in asm for the reason dpbusd is: with intrinsics gcc keeps the
+// accumulators on the stack.
+FASTBERT_AVX2 __attribute__((always_inline)) inline void madd_pairs(__m256i& acc, __m256i x_even, __m256i w_even,
+                                                                    __m256i x_odd, __m256i w_odd) {
+  __m256i even, odd;
+  asm("vpmaddwd %[we], %[xe], %[even]\n\t"
+      "vpmaddwd %[wo], %[xo], %[odd]\n\t"
+      "vpaddd %[even], %[acc], %[acc]\n\t"
+      "vpaddd %[odd], %[acc], %[acc]"
+      : [acc] "+x"(acc), [even] "=&x"(even), [odd] "=&x"(odd)
+      : [xe] "x"(x_even), [we] "x"(w_even), [xo] "x"(x_odd), [wo] "x"(w_odd));
+}
+
+// q's groups split once per GEMM into int32 pairs {even, odd} ({x0, x2} and {x1, x3} as int16), so the
+// tiles broadcast them straight from memory (a load, not two vector uops per row and group).
+inline void split_pairs(const Problem& p, int32_t* pairs) {
+  const int64_t g_count = groups(p.k);
+  at::parallel_for(0, p.m, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t g = 0; g < g_count; ++g) {
+        const uint32_t v = static_cast<uint32_t>(load_group(p.q + r * p.k, g, p.k));
+        pairs[2 * (r * g_count + g)] = static_cast<int32_t>(v & 0x00ff00ffu);
+        pairs[2 * (r * g_count + g) + 1] = static_cast<int32_t>((v >> 8) & 0x00ff00ffu);
+      }
+  });
+}
+
+template <int kRows>
+FASTBERT_AVX2 __attribute__((always_inline)) inline void group_avx2(
+    __m256i (&lo)[kRows], __m256i (&hi)[kRows], const int8_t* w, const int32_t* pairs, int64_t row_stride) {
+  const __m256i w_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  const __m256i w_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));
+  const __m256i lo_even = even_bytes(w_lo), lo_odd = _mm256_srai_epi16(w_lo, 8);
+  const __m256i hi_even = even_bytes(w_hi), hi_odd = _mm256_srai_epi16(w_hi, 8);
 #pragma GCC unroll 8
   for (int r = 0; r < kRows; ++r) {
-    float* out = p.out + (row + r) * p.n + col0;
-    const __m256 y_lo = _mm256_mul_ps(scale_lo, _mm256_cvtepi32_ps(lo[r]));
-    const __m256 y_hi = _mm256_mul_ps(scale_hi, _mm256_cvtepi32_ps(hi[r]));
-    if (cols == kCols) {
-      _mm256_storeu_ps(out, y_lo);
-      _mm256_storeu_ps(out + 8, y_hi);
-    } else {
-      float y[kCols];
-      _mm256_storeu_ps(y, y_lo);
-      _mm256_storeu_ps(y + 8, y_hi);
-      std::memcpy(out, y, cols * sizeof(float));
-    }
+    const __m256i x_even = _mm256_set1_epi32(pairs[r * row_stride]);
+    const __m256i x_odd = _mm256_set1_epi32(pairs[r * row_stride + 1]);
+    madd_pairs(lo[r], x_even, lo_even, x_odd, lo_odd);
+    madd_pairs(hi[r], x_even, hi_even, x_odd, hi_odd);
   }
+}
+
+// kRows x 2 accumulators (4 x 2 = 8 of the 16 ymm registers) and the block's four int16 weight vectors.
+template <int kRows>
+FASTBERT_AVX2 void tile_avx2(const Problem& p, int64_t row, int64_t block) {
+  __m256i lo[kRows], hi[kRows];
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
+  const int8_t* w = p.packed + block * p.block_stride;
+  const int64_t g_count = groups(p.k);
+  const int32_t* pairs = p.pairs + row * g_count * 2;
+  for (int64_t g = 0; g < g_count; ++g) group_avx2(lo, hi, w + g * kBlockBytes, pairs + 2 * g, g_count * 2);
+  store_ymm(p, row, block, lo, hi);
 }
 
 #endif  // __x86_64__
@@ -302,6 +387,10 @@ struct Avx512Tile {
 template <int kRows, int kBlocks>
 struct AvxVnniTile {
   static void run(const Problem& p, int64_t row, int64_t block) { tile_avx_vnni<kRows>(p, row, block); }
+};
+template <int kRows, int kBlocks>
+struct Avx2Tile {
+  static void run(const Problem& p, int64_t row, int64_t block) { tile_avx2<kRows>(p, row, block); }
 };
 #endif
 
@@ -342,6 +431,14 @@ inline void matmul(const Problem& p, int64_t isa) {
   if (isa == kAvxVnni) {
     static const auto kernel = make_kernel<AvxVnniTile, 6, 1>();
     return run(p, kernel);
+  }
+  if (isa == kAvx2) {
+    static const auto kernel = make_kernel<Avx2Tile, 4, 1>();
+    std::vector<int32_t> pairs(static_cast<size_t>(p.m * groups(p.k) * 2));
+    split_pairs(p, pairs.data());
+    Problem split = p;
+    split.pairs = pairs.data();
+    return run(split, kernel);
   }
 #endif
   static const auto kernel = make_kernel<PortableTile, 8, 1>();

@@ -201,9 +201,9 @@ void int8_matmul(const at::Tensor& q, const at::Tensor& packed, int64_t n, int64
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.sizes() == at::IntArrayRef({m, n}),
               "int8_matmul: out must be a contiguous float32 [", m, ", ", n, "] tensor, got ", out.scalar_type(), " ",
               out.sizes());
-  TORCH_CHECK(isa >= int8_gemm::kBest && isa <= int8_gemm::kAvx512Vnni,
-              "int8_matmul: isa must be 0 (best available), 1 (portable C++), 2 (AVX-VNNI) or 3 (AVX512-VNNI), got ",
-              isa);
+  TORCH_CHECK(isa >= int8_gemm::kBest && isa <= int8_gemm::kLastIsa,
+              "int8_matmul: isa must be 0 (best available), 1 (portable C++), 2 (AVX-VNNI), 3 (AVX512-VNNI) or 4 "
+              "(AVX2 without VNNI), got ", isa);
 #if defined(__x86_64__)
   TORCH_CHECK(isa == int8_gemm::kBest || int8_gemm::cpu_has(isa), "int8_matmul: isa ", isa, " (",
               int8_gemm::isa_name(isa), ") needs a CPU with ", int8_gemm::isa_features(isa),
@@ -220,7 +220,7 @@ void int8_matmul(const at::Tensor& q, const at::Tensor& packed, int64_t n, int64
 
 bool int8_isa_supported(int64_t isa) {
   if (isa == int8_gemm::kBest) return true;
-  return isa >= int8_gemm::kPortable && isa <= int8_gemm::kAvx512Vnni && int8_gemm::cpu_has(isa);
+  return isa >= int8_gemm::kPortable && isa <= int8_gemm::kLastIsa && int8_gemm::cpu_has(isa);
 }
 
 }  // namespace

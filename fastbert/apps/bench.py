@@ -83,19 +83,23 @@ def gemm_rate(dtype: torch.dtype, device: str = "cpu", quantized: bool = False) 
     m, k, n = (1024, 768, 3072) if device == "cpu" else (8192, 8192, 8192)
     x, w = torch.randn(m, k).to(device, dtype), torch.randn(n, k).to(device, dtype)
     if quantized:
-        q, packed = torch.randint(0, 256, (m, k), dtype=torch.uint8), torch.ops.onednn.qlinear_prepack(
-            torch.randint(-127, 128, (n, k), dtype=torch.int8), [m, k])
+        qd = sys.modules["fastbert.ops.quantized_dense"]
+        # The GEMM quantized_dense runs here: oneDNN's, or fastbert's own where oneDNN's is missing or inexact.
+        exact_onednn = not _onednn.missing("onednn", ("qlinear_prepack", "qlinear_pointwise")) and not qd.onednn_inexact()
+        gemm = qd.ONEDNN_GEMM if exact_onednn else qd.own_gemm_step(0)
+        q = torch.randint(0, 256, (m, k), dtype=torch.uint8)
+        weight = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+        packed = gemm.pack(weight, None, m)
         # Scales of a real layer's size: with scale 1 oneDNN ran at half the rate here (another code path).
-        scale, zeros = torch.rand(n) * 0.01 + 1e-3, torch.zeros(n, dtype=torch.int64)
+        scale = torch.rand(n) * 0.01 + 1e-3
         # In the row blocks quantized_dense runs it in: whole, its float32 output spills from cache and
         # oneDNN runs at half this rate (benchmarks/RESULTS.md), which is not the machine's limit.
-        step = sys.modules["fastbert.ops.quantized_dense"].rows_per_block(n)
+        step = qd.rows_per_block(n)
 
         def fn():
             for r in range(0, m, step):
-                torch.ops.onednn.qlinear_pointwise(q[r:r + step], 1.0, 0, packed, scale, zeros, None, 1.0, 0,
-                                                   torch.float32, "none", [], "")
-    elif device == "cpu" and not _onednn.missing():
+                gemm.run(q[r:r + step], packed, scale)
+    elif device == "cpu" and not _onednn.missing() and not _onednn.dtype_missing((dtype,)):
         blocked = _onednn.pack(w, m)
         fn = lambda: _onednn.linear(x, blocked, None)  # noqa: E731
     else:

@@ -24,6 +24,15 @@ def missing(namespace: str = "mkldnn", names=("_linear_pointwise", "_reorder_lin
     return []
 
 
+def dtype_missing(dtypes) -> list[str]:
+    """Why oneDNN's float linear cannot run `dtypes` on this CPU: it has bfloat16 kernels only with
+    AVX-512 or AMX (on an AVX2-only CPU it fails to create the primitive); empty when it can."""
+    if torch.bfloat16 in dtypes and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return ["oneDNN has no bfloat16 GEMM on this CPU (it needs AVX-512 or AMX; "
+                "torch.ops.mkldnn._is_mkldnn_bf16_supported() is False)"]
+    return []
+
+
 def pack(weight: torch.Tensor, rows_hint: int) -> torch.Tensor:
     """`weight` [N, K] copied into oneDNN's blocked layout (packed for rows_hint rows; serves any)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), max(rows_hint, 1))

@@ -134,7 +134,7 @@ def linear_class(x, weight, *_):
 
 
 dispatch.register_variants("dense", "cpu", (
-    dispatch.Variant("onednn", _cpu, lambda facts: _onednn.missing()),
+    dispatch.Variant("onednn", _cpu, lambda facts: _onednn.missing() or _onednn.dtype_missing(facts.dtypes)),
     dispatch.Variant("torch", lambda x, weight, bias, activation, prepared: torch_linear(x, weight, bias, activation)),
 ), lambda x, weight, bias, activation, prepared: (*linear_class(x, weight), activation))
 

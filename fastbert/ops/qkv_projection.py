@@ -47,7 +47,7 @@ def _cpu(x, weight, bias, num_heads, prepared):
 
 
 dispatch.register_variants("qkv_projection", "cpu", (
-    dispatch.Variant("onednn", _cpu, lambda facts: _onednn.missing()),
+    dispatch.Variant("onednn", _cpu, lambda facts: _onednn.missing() or _onednn.dtype_missing(facts.dtypes)),
     dispatch.Variant("torch", lambda x, weight, bias, num_heads, prepared: head_major(
         torch_linear(x, weight, bias), num_heads)),
 ), lambda x, weight, *_: linear_class(x, weight))

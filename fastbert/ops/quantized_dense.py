@@ -125,6 +125,29 @@ def _onednn_run(q, packed, weight_scale):
 ONEDNN_GEMM = Int8Gemm(_onednn_pack, _onednn_run)
 
 
+@functools.lru_cache(maxsize=None)
+def onednn_inexact() -> list[str]:
+    """Why oneDNN's int8 GEMM gives wrong sums on this CPU; empty where it is exact. Without VNNI or AMX
+    (AVX2-only CPUs, AVX-512 before Cascade Lake) oneDNN adds pairs of u8 x s8 products in int16 with
+    saturation (vpmaddubsw), so large activations against large weights clip: checked once, at the worst
+    case, and also on random values."""
+    k, n = 64, 16
+    generator = torch.Generator().manual_seed(0)
+    cases = {"255 x 127": (torch.full((4, k), 255, dtype=torch.uint8), torch.full((n, k), 127, dtype=torch.int8)),
+             "random": (torch.randint(0, 256, (4, k), dtype=torch.uint8, generator=generator),
+                        torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator))}
+    for name, (q, weight) in cases.items():
+        exact = (q.double() @ weight.double().t()).float()
+        try:
+            got = _onednn_run(q, _onednn_pack(weight, None, q.shape[0]), torch.ones(n))
+        except RuntimeError as e:
+            return [f"oneDNN's int8 GEMM fails on this CPU ({str(e).splitlines()[0]})"]
+        if not torch.equal(got, exact):
+            return [f"oneDNN's int8 GEMM saturates on this CPU (no VNNI or AMX: pairs of u8 x s8 products are "
+                    f"summed in int16): {name} sums were off by up to {(got - exact).abs().max().item():.0f}"]
+    return []
+
+
 def _own_pack(weight, prepared, rows):
     """(packed, n, k): int8_matmul takes the weight's shape beside its padded packing."""
     if prepared is None:
@@ -139,7 +162,7 @@ def _own_run(q, packed, weight_scale, isa):
     return out
 
 
-ISAS = {"best": 0, "portable": 1, "avx_vnni": 2, "avx512_vnni": 3}  # int8_matmul's isa codes
+ISAS = {"best": 0, "portable": 1, "avx_vnni": 2, "avx512_vnni": 3, "avx2": 4}  # int8_matmul's isa codes
 
 
 @functools.lru_cache(maxsize=None)
@@ -244,6 +267,7 @@ def _shape_class(x, weight, weight_scale, bias, epilogue, prepared, quantize_out
 # oneDNN's GEMM first (AMX where the CPU has it); fastbert's own (VNNI, or portable C++) where torch's build
 # lacks oneDNN's quantized ops, or where it measures faster.
 dispatch.register_variants("quantized_dense", "cpu", (
-    dispatch.Variant("onednn", _cpu, lambda facts: _onednn.missing("onednn", ("qlinear_prepack", "qlinear_pointwise"))),
+    dispatch.Variant("onednn", _cpu, lambda facts: _onednn.missing("onednn", ("qlinear_prepack", "qlinear_pointwise"))
+                     or onednn_inexact()),
     dispatch.Variant("fastbert", lambda *args: _cpu(*args, gemm=own_gemm_step(0))),
 ), _shape_class)

@@ -7,9 +7,9 @@ from fastbert import dispatch, ops
 from fastbert.ops import _onednn, reference
 from fastbert.ops.dense import EPILOGUES
 from fastbert.ops.prepared import PreparedWeights
-from fastbert.ops.quantized_dense import ONEDNN_GEMM, _cpu, own_gemm, own_gemm_step
+from fastbert.ops.quantized_dense import ONEDNN_GEMM, _cpu, onednn_inexact, own_gemm, own_gemm_step
 from fastbert.testing import assert_close, assert_ran, poison_outputs, tolerance
-from grids import skip_unless_runnable
+from grids import skip_unless_runnable, skip_unless_variant
 
 SHAPES = [((1, 7), 5, "none", "none"), ((13, 97), 64, "gelu", "none"), ((2, 9, 768), 3072, "gelu", "tanh"),
           ((33, 3072), 768, "none", "none"), ((4, 1, 128), 384, "none", "none"),
@@ -26,7 +26,7 @@ def layer(n, k, bias=True):
 @pytest.mark.parametrize("shape,n,activation,approximate", SHAPES, ids=str)
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
 def test_matches_reference_on_the_same_quantized_input(shape, n, activation, approximate, dtype, bias, variant):
-    skip_unless_runnable("quantized_dense", "cpu", dtype)
+    skip_unless_variant("quantized_dense", variant, dtype)
     # An offset and a spread per row, as hidden states have: each row gets its own scale and zero point.
     x = (torch.randn(*shape) * (0.5 + torch.rand(*shape[:-1], 1) * 4) + torch.randn(*shape[:-1], 1)).to(dtype)
     weight, scale, b = layer(n, shape[-1], bias)
@@ -168,8 +168,8 @@ def test_bad_input_is_named(call, message):
 
 # ------------------------------------------------- fastbert's own int8 GEMM (own_gemm): bit for bit, every tail
 
-ISAS = [("best", 0), ("portable", 1), ("avx_vnni", 2), ("avx512_vnni", 3)]
-CPU_FLAGS = {2: "avx_vnni", 3: "avx512_vnni"}  # /proc/cpuinfo's names of what isas 2 and 3 need
+ISAS = [("best", 0), ("portable", 1), ("avx_vnni", 2), ("avx512_vnni", 3), ("avx2", 4)]
+CPU_FLAGS = {2: "avx_vnni", 3: "avx512_vnni", 4: "avx2"}  # /proc/cpuinfo's names of what isas 2-4 need
 GEMM_M = (1, 3, 17, 128)
 GEMM_K = (1, 5, 64, 768, 3072)
 GEMM_N = (1, 15, 17, 64, 768, 2304)
@@ -182,7 +182,7 @@ def skip_unless_isa(isa):
 
 
 def skip_unless_onednn():
-    missing = _onednn.missing("onednn", ("qlinear_prepack", "qlinear_pointwise"))
+    missing = _onednn.missing("onednn", ("qlinear_prepack", "qlinear_pointwise")) or onednn_inexact()
     if missing:
         pytest.skip("; ".join(missing))
 
@@ -268,7 +268,7 @@ def bad_matmul(q=None, packed=None, n=5, k=8, weight_scale=None, isa=0, out=None
     (lambda: bad_matmul(out=torch.empty(3, 6)), "out must be a contiguous float32 \\[3, 5\\]"),
     (lambda: bad_matmul(out=torch.empty(3, 5, dtype=torch.bfloat16)), "out must be a contiguous float32"),
     (lambda: bad_matmul(out=torch.empty(5, 3).T), "out must be a contiguous float32"),
-    (lambda: bad_matmul(isa=4), "isa must be 0 \\(best available\\), 1 \\(portable C\\+\\+\\)"),
+    (lambda: bad_matmul(isa=5), "isa must be 0 \\(best available\\), 1 \\(portable C\\+\\+\\)"),
     (lambda: bad_matmul(isa=-1), "isa must be 0"),
     (lambda: torch.ops.fastbert_C.int8_pack(torch.zeros(3, 4)), "int8_pack: weight must be an int8 \\[n, k\\]"),
     (lambda: torch.ops.fastbert_C.int8_pack(torch.zeros(3, dtype=torch.int8)), "int8_pack: weight must be an int8"),
@@ -284,7 +284,7 @@ def test_own_gemm_bad_input_is_named(call, message):
         call()
 
 
-@pytest.mark.parametrize("isa", [2, 3])
+@pytest.mark.parametrize("isa", [2, 3, 4])
 def test_forcing_an_isa_the_cpu_lacks_raises(isa):
     skip_unless_runnable("quantized_dense", "cpu", torch.float32)
     if torch.ops.fastbert_C.int8_isa_supported(isa):
@@ -327,6 +327,30 @@ def test_own_gemm_op_equals_onednn(shape, n, activation, approximate, dtype, isa
     out = run_cpu(x, weight, w_scale, b, activation, approximate, own, **static)
     assert out.dtype == dtype and out.shape == (*shape[:-1], n)
     assert_close(out, run_cpu(x, weight, w_scale, b, activation, approximate, onednn, **static), dtype, "matmul")
+
+
+def test_onednn_is_refused_exactly_where_its_sums_are_wrong():
+    """Without VNNI or AMX (AVX2-only CPUs) oneDNN's u8 x s8 GEMM saturates pairs of products in int16:
+    dispatch must never pick it there, and must keep it where it is exact. Checked on other values than
+    onednn_inexact's own."""
+    skip_unless_runnable("quantized_dense", "cpu", torch.float32)
+    if _onednn.missing("onednn", ("qlinear_prepack", "qlinear_pointwise")):
+        pytest.skip("; ".join(_onednn.missing("onednn", ("qlinear_prepack", "qlinear_pointwise"))))
+    q = torch.randint(192, 256, (3, 256), dtype=torch.uint8)
+    weight = torch.randint(-127, 128, (16, 256), dtype=torch.int8)
+    weight[1], weight[2] = 127, -128
+    exact = (q.double() @ weight.double().t()).float()
+    got = ONEDNN_GEMM.run(q, ONEDNN_GEMM.pack(weight, None, q.shape[0]), torch.ones(16))
+    why = dispatch.usable_variants("quantized_dense", "cpu", dispatch.Facts(("cpu",), (torch.float32,)))[1]
+    if torch.equal(got, exact):
+        assert "onednn" not in why, why
+        return
+    assert "saturates" in why["onednn"][0], why
+    x = torch.randn(5, 64)
+    weight, scale, b = layer(32, 64)
+    with torch.no_grad(), dispatch.record() as calls:
+        ops.quantized_dense(x, weight, scale, b, "gelu")
+    assert [c.variant for c in calls] == ["fastbert"]
 
 
 def test_without_onednn_int8_runs_on_fastbert_own_gemm(monkeypatch):
