@@ -1,12 +1,15 @@
 """The C++ extension is built (where CI asks for it), and fastbert works without it. The CUDA kernels
 (csrc/cuda/*.cu) are torch-free, so plain nvcc compiles them on any machine with a CUDA toolkit, GPU or
 not: every file, for sm_80 and sm_90 (bindings.cpp needs a CUDA build of torch and is compiled only by
-setup.py there); skipped, with the reason, where nvcc is absent."""
+setup.py there); skipped, with the reason, where nvcc is absent. The C++ CPU kernels are compiled for every
+instruction set setup.py knows, not only the one this machine's build used."""
 import glob
+import importlib.util
 import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import time
 
 import pytest
@@ -93,3 +96,63 @@ def test_cuda_kernels_compile(tmp_path):
         if proc.returncode != 0 or not obj.exists():
             failures.append(f"{' '.join(cmd)}\nexit {proc.returncode}\n{err}{out}")
     assert not failures, "nvcc failed:\n\n" + "\n\n".join(failures)
+
+
+def _isa_builds() -> dict:
+    spec = importlib.util.spec_from_file_location("fastbert_setup", os.path.join(ROOT, "setup.py"))
+    setup_py = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(setup_py)  # defines ISA_BUILDS; setup() runs only as __main__
+    return setup_py.ISA_BUILDS
+
+
+CPU_SOURCES = sorted(glob.glob(os.path.join(ROOT, "csrc", "*.cpp"))
+                     + glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp")))
+
+
+def test_cpu_kernels_compile_for_every_isa(tmp_path):
+    """setup.py builds fastbert._C for the best ISA this CPU has, so the code paths of every other ISA
+    (AVX-512 with bfloat16 dot products on an AVX2 machine, AVX2 and portable C++ on an AVX-512 one) would
+    never be compiled here: compile them (to objects, optimized, so target-mismatched intrinsics fail too)."""
+    from torch.utils import cpp_extension
+
+    import torch
+
+    builds = _isa_builds()
+    try:
+        from fastbert import _C
+
+        built = "AVX512_BF16" if _C.AVX512_BF16 else _C.CPU_CAPABILITY
+        assert built in builds, (built, list(builds))
+    except ImportError:
+        built = None  # nothing built here: check them all
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no C++ compiler on PATH")
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    defines = ["-DTORCH_EXTENSION_NAME=_C", "-DTORCH_API_INCLUDE_EXTENSION_H", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+    jobs, failures = [], []
+    for isa, (_, flags) in builds.items():
+        if isa == built:
+            continue
+        for src in CPU_SOURCES:
+            obj = tmp_path / f"{isa}.{os.path.basename(src)}.o"
+            cmd = [compiler, "-c", "-std=c++17", "-O1", "-fPIC", "-fopenmp", *flags, *defines, *includes, src,
+                   "-o", str(obj)]
+            jobs.append((cmd, obj))
+    # Two at a time: each compile holds ~1 GiB and a core.
+    running = []
+    while jobs or running:
+        while jobs and len(running) < 2:
+            cmd, obj = jobs.pop()
+            running.append((cmd, obj, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                        text=True)))
+        cmd, obj, proc = running.pop(0)
+        try:
+            out, err = proc.communicate(timeout=TIMEOUT_S * 3)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        if proc.returncode != 0 or not obj.exists():
+            failures.append(f"{' '.join(cmd[:12])} ... {cmd[-3]}\nexit {proc.returncode}\n{err[-4000:]}{out}")
+    assert not failures, "C++ compile failed:\n\n" + "\n\n".join(failures)
