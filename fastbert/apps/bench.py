@@ -76,8 +76,9 @@ def useful_flops(config: fastbert.BertConfig, mask: torch.Tensor) -> float:
 
 
 def gemm_rate(dtype: torch.dtype, device: str = "cpu", quantized: bool = False) -> float:
-    """GFLOP/s (GOP/s for int8) of the machine's GEMM, measured now: oneDNN's packed GEMM at BERT-base FFN
-    width on CPU (u8 x s8 for int8), a large cuBLAS matmul on GPU."""
+    """GFLOP/s (GOP/s for int8) of the machine's GEMM, measured now: at BERT-base FFN width on CPU the one
+    fastbert runs (oneDNN's packed GEMM where it can serve the dtype, else torch's; u8 x s8 for int8), a large
+    cuBLAS matmul on GPU."""
     from fastbert.ops import _onednn
 
     m, k, n = (1024, 768, 3072) if device == "cpu" else (8192, 8192, 8192)
@@ -392,7 +393,8 @@ def markdown(rows: list[Row], names: list[str], rates: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     lines.append(cpu_line() + f", {torch.get_num_threads()} threads")
-    lines.append("GEMM rate (CPU: oneDNN packed 1024x768x3072, int8 in quantized_dense's row blocks; GPU: cuBLAS 8192^3; same run): "
+    lines.append("GEMM rate (CPU: the GEMM fastbert runs at 1024x768x3072, int8 in quantized_dense's row blocks; "
+                 "GPU: cuBLAS 8192^3; same run): "
                  + ", ".join(f"{k} {v:.0f} {'GOP' if k == 'int8' else 'GFLOP'}/s" for k, v in rates.items()))
     if any(r.dtype == "int8" for r in rows):
         lines.append(f"int8 rows: fastbert computes between its int8 GEMMs in "
