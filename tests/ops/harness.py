@@ -182,6 +182,8 @@ def check_layout(spec: Spec, case: Case, backend: str, layout: str):
     """Non-contiguous, transposed and channels-last inputs and output gradients give the contiguous
     inputs' results (same backend, float32)."""
     device = "cpu" if backend == "reference" else skip_unless_runnable(spec.op, backend, torch.float32)
+    if backend == "triton" and device == "cpu" and case is not next(c for c in spec.cases if _relayable(c)):
+        pytest.skip("the Triton interpreter is slow (80 s a layout at h768): its first case covers the layouts")
     args, kwargs = case.make(torch.float32, device)
     with dispatch.use_backend(backend, op=spec.op):
         outs, grads, grad_outs = forward_backward(spec.public, args, kwargs)
