@@ -264,8 +264,8 @@ def _shape_class(x, weight, weight_scale, bias, epilogue, prepared, quantize_out
             "static" if input_scale is not None else "dynamic", "to-rows" if quantize_output else "to-float")
 
 
-# oneDNN's GEMM first (AMX where the CPU has it); fastbert's own (VNNI, or portable C++) where torch's build
-# lacks oneDNN's quantized ops, or where it measures faster.
+# oneDNN's GEMM first (AMX where the CPU has it); fastbert's own (VNNI, AVX2 or portable C++) where torch's
+# build lacks oneDNN's quantized ops, where oneDNN's sums are wrong (no VNNI), or where it measures faster.
 dispatch.register_variants("quantized_dense", "cpu", (
     dispatch.Variant("onednn", _cpu, lambda facts: _onednn.missing("onednn", ("qlinear_prepack", "qlinear_pointwise"))
                      or onednn_inexact()),
