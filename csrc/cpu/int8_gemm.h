@@ -339,6 +339,7 @@ FASTBERT_AVX2 __attribute__((always_inline)) inline void group_avx2(
 }
 
 // kRows x 2 accumulators (4 x 2 = 8 of the 16 ymm registers) and the block's four int16 weight vectors.
+// The loop is tile_avx_vnni's, written again: a function inlines only steps of its own target (avx2 here).
 template <int kRows>
 FASTBERT_AVX2 void tile_avx2(const Problem& p, int64_t row, int64_t block) {
   __m256i lo[kRows], hi[kRows];
