@@ -6,7 +6,7 @@ import torch
 from fastbert import dispatch
 from fastbert.ops import _alloc, _checks, _onednn, reference
 from fastbert.ops.dense import (linear_backward_fake, linear_class, linear_input_grads, onednn_linear, onednn_pair_for,
-                                 torch_linear, triton_linear_backward)
+                                 torch_linear, triton_linear_backward, upcast_linear, upcast_reasons)
 from fastbert.ops._op import OpSpec
 from fastbert.ops.prepared import PreparedWeights
 
@@ -48,6 +48,8 @@ def _cpu(x, weight, bias, num_heads, prepared):
 
 dispatch.register_variants("qkv_projection", "cpu", (
     dispatch.Variant("onednn", _cpu, lambda facts: _onednn.missing() or _onednn.dtype_missing(facts.dtypes)),
+    dispatch.Variant("onednn-fp32", lambda x, weight, bias, num_heads, prepared: head_major(
+        upcast_linear(x, weight, bias, "none", prepared, ONEDNN), num_heads), upcast_reasons),
     dispatch.Variant("torch", lambda x, weight, bias, num_heads, prepared: head_major(
         torch_linear(x, weight, bias), num_heads)),
 ), lambda x, weight, *_: linear_class(x, weight))
