@@ -90,10 +90,15 @@ def test_without_tuning_the_static_default_runs(tuned, monkeypatch):
     assert not (tuned / "variants.json").exists()
 
 
+def fp32_dense_variants() -> tuple[str, ...]:
+    """The dense variants that can serve float32 here (onednn-fp32 serves bf16 only)."""
+    return tuple(v.name for v in dispatch.usable_variants("dense", "cpu", dispatch.Facts(("cpu",), (torch.float32,)))[0])
+
+
 def test_forced_variants_run_or_say_why_not(monkeypatch):
     skip_unless_runnable("dense", "cpu", torch.float32)
     x, w, b = torch.randn(3, 16), torch.randn(8, 16), torch.randn(8)
-    for name in dispatch.variant_names("dense", "cpu"):
+    for name in fp32_dense_variants():
         with dispatch.use_variant("dense", name), dispatch.record() as calls:
             y = ops.dense(x, w, b, "gelu")
         assert calls[0].variant == name
@@ -102,8 +107,12 @@ def test_forced_variants_run_or_say_why_not(monkeypatch):
     with dispatch.record() as calls:
         ops.dense(x, w, b)
     assert calls[0].variant == "torch"
-    with dispatch.use_variant("dense", "cublas"), pytest.raises(dispatch.BackendUnavailable, match="has only onednn, torch"):
+    with dispatch.use_variant("dense", "cublas"), pytest.raises(
+            dispatch.BackendUnavailable, match="has only " + ", ".join(dispatch.variant_names("dense", "cpu"))):
         ops.dense(x, w, b)
+    if "onednn-fp32" not in fp32_dense_variants():  # bf16 only: forcing it on float32 says so
+        with dispatch.use_variant("dense", "onednn-fp32"), pytest.raises(dispatch.BackendUnavailable, match="bfloat16 only"):
+            ops.dense(x, w, b)
     q = torch.randn(2, 2, 8, 16)
     with dispatch.use_variant("attention", "torch"), pytest.raises(dispatch.BackendUnavailable, match="dropout"):
         ops.attention(q, q, q, dropout_p=0.1)
@@ -119,10 +128,10 @@ def test_training_calls_are_measured_with_their_backward(tuned):
     with dispatch.record() as calls:
         y = ops.dense(x, w, b)
     y.sum().backward()
-    assert x.grad is not None and calls[0].variant in dispatch.variant_names("dense", "cpu")
+    assert x.grad is not None and calls[0].variant in fp32_dense_variants()
     (key, entry), = tuning.entries().items()
     assert key == "dense cpu float32 train m64 k32 n48 none" and entry["choice"] == calls[0].variant
-    assert set(entry["ms"]) == set(dispatch.variant_names("dense", "cpu"))
+    assert set(entry["ms"]) == set(fp32_dense_variants())
     assert_close(x.grad, torch.ones(64, 48, dtype=torch.float64) @ w.detach().double(), torch.float32, "grad")
 
 
@@ -151,7 +160,7 @@ def test_only_the_chosen_variant_keeps_prepared_weights(tuned, monkeypatch):
     prepared = ops.PreparedWeights()
     with torch.no_grad(), dispatch.record() as calls:
         ops.dense(torch.randn(256, 64), torch.randn(96, 64), torch.randn(96), prepared=prepared)
-    assert dispatch.variant_names("dense", "cpu") == ("onednn", "torch") and calls[0].variant == "torch"
+    assert fp32_dense_variants() == ("onednn", "torch") and calls[0].variant == "torch"
     assert len(prepared) == 0  # the losing trial's packed copy is not kept
 
 
@@ -163,7 +172,9 @@ def test_info_lists_variants_and_measurements(tuned):
         ops.dense(torch.randn(4, 16), torch.randn(8, 16), None)
     text = "\n".join(variants_report())
     # A variant some dtype or CPU cannot use says so in parentheses ("onednn (fp32 only)" on AVX2).
-    assert re.search(r"dense: onednn( \([^)]*\))?, torch", text) and "attention: fastbert, torch" in text
+    dense = next(line for line in text.splitlines() if line.strip().startswith("dense: "))
+    assert re.fullmatch(r"dense: onednn( \([^)]*\))?, onednn-fp32 \([^)]*\), torch", dense.strip()), dense
+    assert "attention: fastbert, torch" in text
     assert "dense cpu float32 infer m4 k16 n8 none" in text
 
 
