@@ -77,8 +77,8 @@ def useful_flops(config: fastbert.BertConfig, mask: torch.Tensor) -> float:
 
 def gemm_rate(dtype: torch.dtype, device: str = "cpu", quantized: bool = False) -> float:
     """GFLOP/s (GOP/s for int8) of the machine's GEMM, measured now: at BERT-base FFN width on CPU the one
-    fastbert runs (oneDNN's packed GEMM where it can serve the dtype, else torch's; u8 x s8 for int8), a large
-    cuBLAS matmul on GPU."""
+    fastbert runs (oneDNN's packed GEMM where it can serve the dtype, its float32 GEMM for bf16 where it has no
+    bf16 GEMM, else torch's; u8 x s8 for int8), a large cuBLAS matmul on GPU."""
     from fastbert.ops import _onednn
 
     m, k, n = (1024, 768, 3072) if device == "cpu" else (8192, 8192, 8192)
@@ -103,6 +103,10 @@ def gemm_rate(dtype: torch.dtype, device: str = "cpu", quantized: bool = False) 
     elif device == "cpu" and not _onednn.missing() and not _onednn.dtype_missing((dtype,)):
         blocked = _onednn.pack(w, m)
         fn = lambda: _onednn.linear(x, blocked, None)  # noqa: E731
+    elif device == "cpu" and not _onednn.missing() and dtype == torch.bfloat16:
+        # dense's onednn-fp32 variant: the bf16 values through oneDNN's float32 GEMM, rounded back.
+        blocked = _onednn.pack(w.float(), m)
+        fn = lambda: _onednn.linear(x.float(), blocked, None).to(dtype)  # noqa: E731
     else:
         fn = lambda: torch.nn.functional.linear(x, w)  # noqa: E731
     ms = alternating_medians({"gemm": fn}, rounds=10, device=device, warmup=2)["gemm"]
