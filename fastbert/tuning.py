@@ -145,15 +145,19 @@ def _run(fn, args, backward: bool) -> None:
         torch.autograd.grad(out.float().sum(), leaves, allow_unused=True)
 
 
-def _median_ms(fn, args, backward: bool) -> float:
+def _medians_ms(candidates: dict, args, backward: bool) -> dict[str, float]:
+    """Each candidate's median ms over REPEATS calls, in alternating rounds: a disturbance that comes and
+    goes (another process's threads, the clock) falls on all of them, not on whichever ran first."""
+    times = {name: [] for name in candidates}
     with torch.enable_grad() if backward else torch.no_grad():
-        _run(fn, args, backward)  # warm-up: packing, first-touch allocations
-        times = []
+        for fn in candidates.values():
+            _run(fn, args, backward)  # warm-up: packing, first-touch allocations
         for _ in range(REPEATS):
-            start = time.perf_counter()
-            _run(fn, args, backward)
-            times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2] * 1e3
+            for name, fn in candidates.items():
+                start = time.perf_counter()
+                _run(fn, args, backward)
+                times[name].append(time.perf_counter() - start)
+    return {name: sorted(t)[len(t) // 2] * 1e3 for name, t in times.items()}
 
 
 def choose(key: str, candidates: dict, args, backward: bool) -> str:
@@ -169,7 +173,7 @@ def choose(key: str, candidates: dict, args, backward: bool) -> str:
     owners = [(a, a.snapshot()) for a in args if hasattr(a, "snapshot") and hasattr(a, "restore")]
     rng = torch.get_rng_state()
     try:
-        times = {name: _median_ms(fn, args, backward) for name, fn in candidates.items()}
+        times = _medians_ms(candidates, args, backward)
     finally:
         torch.set_rng_state(rng)
         for owner, snapshot in owners:
