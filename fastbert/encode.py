@@ -68,16 +68,18 @@ def token_budget_batches(lengths: list[int], batch_tokens: int) -> list[list[int
 
 def cache_tokens(model, device: torch.device) -> int | None:
     """On a CPU, the most tokens a forward should take: those whose widest activation (the FFN's [tokens,
-    intermediate]) fits the last-level cache, as a power of two, at least 1024 (narrower GEMMs lose more
+    intermediate], in the dtype its GEMM writes) fits the last-level cache, as a power of two, at least 1024 (narrower GEMMs lose more
     than the cache saves). Wider batches stream every layer's activations through memory: MiniLM fp32 ran
     1.46x faster at 4096 tokens than at 16384 (benchmarks/RESULTS.md). None on GPUs, or where the cache
     size cannot be read."""
     from fastbert import tuning
+    from fastbert.ops.dense import gemm_output_dtype
 
     llc = tuning.cache_bytes(3) or tuning.cache_bytes(2)
     if device.type != "cpu" or llc is None:
         return None
-    width = model.config.intermediate_size * torch.finfo(next(model.parameters()).dtype).bits // 8
+    dtype = gemm_output_dtype(next(model.parameters()).dtype, device)
+    width = model.config.intermediate_size * torch.finfo(dtype).bits // 8
     fits = max(llc // width, 1024)
     return 1 << (fits.bit_length() - 1)
 

@@ -63,6 +63,12 @@ def test_cpu_runs_the_budget_in_cache_sized_batches(minilm, monkeypatch):
     if tokens is not None:  # a power of two, at least 1024, from the machine's cache size
         assert tokens >= 1024 and tokens & (tokens - 1) == 0
     assert sys.modules["fastbert.encode"].cache_tokens(model, torch.device("cuda")) is None  # GPUs: the budget as given
+    if tokens is not None:  # sized by the dtype GEMMs write: bf16 halves it, unless they write float32 (onednn-fp32)
+        dense_module, bf16 = sys.modules["fastbert.ops.dense"], fastbert.BertModel(model.config).to(torch.bfloat16)
+        monkeypatch.setattr(dense_module, "gemm_output_dtype", lambda dtype, device: torch.float32)
+        assert sys.modules["fastbert.encode"].cache_tokens(bf16, torch.device("cpu")) == tokens
+        monkeypatch.setattr(dense_module, "gemm_output_dtype", lambda dtype, device: dtype)
+        assert sys.modules["fastbert.encode"].cache_tokens(bf16, torch.device("cpu")) == 2 * tokens or tokens == 1024
     monkeypatch.setattr(sys.modules["fastbert.encode"], "cache_tokens", lambda model, device: 256)
     seen = []
     windows = sys.modules["fastbert.encode"].encode_windows(model, SENTENCES[:60], tokenizer, batch_tokens=10**6,

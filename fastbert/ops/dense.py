@@ -152,6 +152,14 @@ def upcast_linear(x, weight, bias, activation, prepared: PreparedWeights | None,
     return y.to(x.dtype)
 
 
+def gemm_output_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype a CPU linear's output first exists in: float32 for bfloat16 where oneDNN has no bf16 GEMM
+    (onednn-fp32 rounds it after), else `dtype`. What sizes the widest activation of a batch."""
+    if device.type == "cpu" and dtype == torch.bfloat16 and not upcast_reasons(dispatch.Facts(("cpu",), (dtype,))):
+        return torch.float32
+    return dtype
+
+
 def upcast_reasons(facts) -> list[str]:
     """Why upcast_linear should not serve a call: only bfloat16, and only where oneDNN lacks bf16 GEMMs."""
     if _onednn.missing():
