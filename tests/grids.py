@@ -32,11 +32,12 @@ def skip_unless_runnable(op: str, backend: str, dtype: torch.dtype) -> str:
     return device
 
 
-def skip_unless_variant(op: str, variant: str, dtype: torch.dtype) -> str:
-    """skip_unless_runnable for the cpu backend, and skip where its `variant` cannot serve `dtype` on this
-    machine (dispatch never picks it then: oneDNN's bfloat16 GEMM on an AVX2-only CPU); the device."""
+def skip_unless_variant(op: str, variant: str, dtype: torch.dtype, **flags) -> str:
+    """skip_unless_runnable for the cpu backend, and skip where its `variant` cannot serve `dtype` (and a call
+    with dispatch.Facts `flags`) on this machine (dispatch never picks it then: oneDNN's bfloat16 GEMM on an
+    AVX2-only CPU, a GELU-only variant on a call without GELU); the device."""
     device = skip_unless_runnable(op, "cpu", dtype)
-    why = dispatch.usable_variants(op, "cpu", dispatch.Facts((device,), (dtype,)))[1]
+    why = dispatch.usable_variants(op, "cpu", dispatch.Facts((device,), (dtype,), **flags))[1]
     if why.get(variant):
         pytest.skip(f"{variant}: {'; '.join(why[variant])}")
     return device

@@ -91,15 +91,17 @@ def test_without_tuning_the_static_default_runs(tuned, monkeypatch):
     assert not (tuned / "variants.json").exists()
 
 
-def fp32_dense_variants() -> tuple[str, ...]:
-    """The dense variants that can serve float32 here (onednn-fp32 serves bf16 only)."""
-    return tuple(v.name for v in dispatch.usable_variants("dense", "cpu", dispatch.Facts(("cpu",), (torch.float32,)))[0])
+def fp32_dense_variants(gelu: bool = False) -> tuple[str, ...]:
+    """The dense variants that can serve a float32 call (with GELU) here (onednn-fp32 serves bf16 only,
+    onednn+bias_gelu GELU calls only)."""
+    f = dispatch.Facts(("cpu",), (torch.float32,), gelu=gelu)
+    return tuple(v.name for v in dispatch.usable_variants("dense", "cpu", f)[0])
 
 
 def test_forced_variants_run_or_say_why_not(monkeypatch):
     skip_unless_runnable("dense", "cpu", torch.float32)
     x, w, b = torch.randn(3, 16), torch.randn(8, 16), torch.randn(8)
-    for name in fp32_dense_variants():
+    for name in fp32_dense_variants(gelu=True):
         with dispatch.use_variant("dense", name), dispatch.record() as calls:
             y = ops.dense(x, w, b, "gelu")
         assert calls[0].variant == name
@@ -109,10 +111,13 @@ def test_forced_variants_run_or_say_why_not(monkeypatch):
         ops.dense(x, w, b)
     assert calls[0].variant == "torch"
     with dispatch.use_variant("dense", "cublas"), pytest.raises(
-            dispatch.BackendUnavailable, match="has only " + ", ".join(dispatch.variant_names("dense", "cpu"))):
+            dispatch.BackendUnavailable, match=re.escape("has only " + ", ".join(dispatch.variant_names("dense", "cpu")))):
         ops.dense(x, w, b)
     if "onednn-fp32" not in fp32_dense_variants():  # bf16 only: forcing it on float32 says so
         with dispatch.use_variant("dense", "onednn-fp32"), pytest.raises(dispatch.BackendUnavailable, match="bfloat16 only"):
+            ops.dense(x, w, b)
+    if "onednn" in fp32_dense_variants():  # onednn+bias_gelu serves GELU calls only: forcing it on others says so
+        with dispatch.use_variant("dense", "onednn+bias_gelu"), pytest.raises(dispatch.BackendUnavailable, match="GELU"):
             ops.dense(x, w, b)
     q = torch.randn(2, 2, 8, 16)
     with dispatch.use_variant("attention", "torch"), pytest.raises(dispatch.BackendUnavailable, match="dropout"):
@@ -175,7 +180,8 @@ def test_info_lists_variants_and_measurements(tuned):
     text = "\n".join(variants_report())
     # A variant some dtype or CPU cannot use says so in parentheses ("onednn (fp32 only)" on AVX2).
     dense = next(line for line in text.splitlines() if line.strip().startswith("dense: "))
-    assert re.fullmatch(r"dense: onednn( \([^)]*\))?, onednn-fp32 \([^)]*\), torch", dense.strip()), dense
+    assert re.fullmatch(r"dense: onednn( \([^)]*\))?, onednn\+bias_gelu( \([^)]*\))?, onednn-fp32 \([^)]*\), torch",
+                        dense.strip()), dense
     assert "attention: fastbert, torch" in text
     assert "dense cpu float32 infer m4 k16 n8 none" in text
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import pytest
@@ -69,6 +69,7 @@ def cu_seqlens(lengths, device="cpu"):
 class Case:
     name: str
     make: Callable  # (dtype, device) -> (args, kwargs); float tensor args require grad
+    facts: dict = field(default_factory=dict)  # the call's dispatch.Facts flags (gelu=True): which variants serve it
 
 
 @dataclass
@@ -452,7 +453,7 @@ def variant_parity_test(*specs):
     @pytest.mark.parametrize("dtype", CPU_DTYPES, ids=dtype_id)
     @pytest.mark.parametrize("spec,case,variant", pairs, ids=ids)
     def test_variant_parity(spec, case, variant, dtype):
-        device = skip_unless_variant(spec.op, variant, dtype)
+        device = skip_unless_variant(spec.op, variant, dtype, **case.facts)
         args, kwargs = case.make(dtype, device)
         check_parity(spec, "cpu", dtype, args, kwargs, variant)
 

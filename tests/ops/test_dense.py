@@ -33,7 +33,7 @@ def build(p, dtype, device):
 
 def _case(rows, k, n, act, approx):
     p = dict(lead=[rows], k=k, n=n, bias=True, activation=act, approximate=approx)
-    return Case(f"{rows}x{k}->{n}-{act}-{approx}", lambda dt, dev: build(p, dt, dev))
+    return Case(f"{rows}x{k}->{n}-{act}-{approx}", lambda dt, dev: build(p, dt, dev), facts=dict(gelu=act != "none"))
 
 
 SPEC = Spec("dense", ops.dense, reference.dense, "matmul", [
