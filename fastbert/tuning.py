@@ -164,7 +164,8 @@ def choose(key: str, candidates: dict, args, backward: bool) -> str:
     """The name of the fastest of `candidates` ({name: fn}) for `key`: from the cache, or timed now on `args`
     (forward and, with `backward`, the backward of the output's sum)."""
     entry = entries().get(key)
-    if entry is not None and entry.get("choice") in candidates:
+    # Kept while it measured exactly these candidates: a variant added since (or newly usable) is measured.
+    if entry is not None and entry.get("choice") in candidates and set(entry.get("ms", ())) == set(candidates):
         return entry["choice"]
     # Each trial may pack weights into the owner's PreparedWeights; the losers' forms would stay there
     # for good (a second copy of every weight), so what the trials made is dropped after.

@@ -68,6 +68,20 @@ def test_the_fastest_variant_is_measured_once_and_cached(tuned, monkeypatch):
             ops.bias_gelu(torch.randn(40, 8), bias)
 
 
+def test_an_entry_that_measured_other_variants_is_measured_again(tuned):
+    x, bias = torch.randn(6, 8), torch.randn(8)
+    with dispatch.scratch_registry():
+        ran = []
+        _stand_ins(ran)
+        # Cached before "fast" existed (an older fastbert, or a CPU feature it lacked then): "slow" alone.
+        tuning._store("bias_gelu cpu float32 infer m8", {"choice": "slow", "ms": {"slow": 4.0}})
+        tuning.forget()
+        with dispatch.record() as calls:
+            ops.bias_gelu(x, bias)
+        assert calls[0].variant == "fast" and ran.count("slow") == tuning.REPEATS + 1
+        assert set(tuning.entries()["bias_gelu cpu float32 infer m8"]["ms"]) == {"slow", "fast"}
+
+
 def test_measuring_leaves_the_random_stream_as_it_was(tuned):
     x, bias = torch.randn(6, 8), torch.randn(8)
     with dispatch.scratch_registry():
