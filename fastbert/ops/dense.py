@@ -154,14 +154,21 @@ def upcast_linear(x, weight, bias, activation, prepared: PreparedWeights | None,
     """A bfloat16 linear as oneDNN's float32 GEMM on float32 copies, the output rounded to bfloat16: for CPUs
     where oneDNN has no bf16 GEMM and torch's bf16 F.linear runs at an eighth of fp32's rate (AVX2 only).
     bf16 values are exact in float32 and bf16 GEMMs accumulate in float32, so only the summation order (and
-    a float32 GELU) differ from a bf16 GEMM's. Eager inference keeps the float32 copy, packed, in `prepared`."""
+    a float32 GELU) differ from a bf16 GEMM's. Eager inference keeps the float32 copy, packed, in `prepared`,
+    and runs a GELU as fastbert's bias+GELU kernel, not oneDNN's post-op (slow on these CPUs: see
+    onednn_then_bias_gelu)."""
     def up(t):
         return None if t is None else t.float()
 
     if prepared is not None and entry(pair.forward, x, weight, bias) is pair.forward.direct:
         x2d = x.reshape(-1, x.shape[-1]).float()
         blocked = prepared.get("onednn_fp32", (weight,), lambda w: _onednn.pack(w.float(), x2d.shape[0]))
-        y = _onednn.linear(x2d, blocked, up(bias), activation).view(*x.shape[:-1], weight.shape[0])
+        if activation != "none" and bias is not None:
+            y = _onednn.linear(x2d, blocked, None, "none")
+            torch.ops.fastbert_C.bias_gelu_fwd(y, up(bias).contiguous(), activation == "gelu_tanh", y)
+        else:
+            y = _onednn.linear(x2d, blocked, up(bias), activation)
+        y = y.view(*x.shape[:-1], weight.shape[0])
     elif activation != "none" and bias is not None and needs_grad(x, weight, bias):
         y = bias_gelu_cxx(pair(up(x), up(weight), None, "none"), up(bias), approximation(activation))
     else:
