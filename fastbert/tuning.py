@@ -164,9 +164,11 @@ def choose(key: str, candidates: dict, args, backward: bool) -> str:
     """The name of the fastest of `candidates` ({name: fn}) for `key`: from the cache, or timed now on `args`
     (forward and, with `backward`, the backward of the output's sum)."""
     entry = entries().get(key)
-    # Kept while it measured exactly these candidates: a variant added since (or newly usable) is measured.
-    if entry is not None and entry.get("choice") in candidates and set(entry.get("ms", ())) == set(candidates):
-        return entry["choice"]
+    # Kept while it measured every one of these candidates (a variant added since, or newly usable, is
+    # measured); the fastest of them, where this call can use fewer than were measured.
+    measured = entry.get("ms", {}) if entry is not None else {}
+    if measured and set(candidates) <= set(measured):
+        return min(candidates, key=measured.get)
     # Each trial may pack weights into the owner's PreparedWeights; the losers' forms would stay there
     # for good (a second copy of every weight), so what the trials made is dropped after.
     # The random stream is put back too: a trial that draws (a dropout seed) must not make a measuring run's

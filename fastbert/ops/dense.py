@@ -22,8 +22,8 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     _checks.tensor("weight", weight, (2,))
     _checks.same_dtype_device(x=x, weight=weight, bias=bias)
     epilogue = linear_checks(x, weight, bias, activation, approximate, prepared)
-    return dispatch.call("dense", {"tensors": (x, weight, bias), "gelu": epilogue != "none"}, x, weight, bias, epilogue,
-                         prepared)
+    inputs = {"tensors": (x, weight, bias), "gelu": epilogue != "none" and bias is not None}
+    return dispatch.call("dense", inputs, x, weight, bias, epilogue, prepared)
 
 
 # The kernels' one code for what follows the GEMM.
@@ -128,7 +128,8 @@ def onednn_then_bias_gelu(x, weight, bias, activation, prepared):
     in eager inference): on a Zen 3 the post-op added 40% to the FFN's first GEMM, this 22% (RESULTS.md)."""
     if bias is None or activation == "none":
         return _cpu(x, weight, bias, activation, prepared)
-    if needs_grad(x, weight, bias) or prepared is None or entry(ONEDNN.forward, x, weight, bias) is not ONEDNN.forward.direct:
+    direct = prepared is not None and entry(ONEDNN.forward, x, weight, bias) is ONEDNN.forward.direct
+    if not direct or needs_grad(x, weight, bias):
         return bias_gelu_cxx(ONEDNN(x, weight, None, "none"), bias, approximation(activation))
     y = onednn_linear(x, weight, None, "none", prepared)
     torch.ops.fastbert_C.bias_gelu_fwd(y, bias.contiguous(), activation == "gelu_tanh", y)
@@ -198,7 +199,7 @@ def upcast_reasons(facts) -> list[str]:
 dispatch.register_variants("dense", "cpu", (
     dispatch.Variant("onednn", _cpu, onednn_reasons),
     dispatch.Variant("onednn+bias_gelu", onednn_then_bias_gelu,
-                     lambda facts: onednn_reasons(facts) or ([] if facts.gelu else ["GELU calls only"])),
+                     lambda facts: onednn_reasons(facts) or ([] if facts.gelu else ["GELU calls with a bias only"])),
     dispatch.Variant("onednn-fp32", upcast_linear, upcast_reasons),
     dispatch.Variant("torch", lambda x, weight, bias, activation, prepared: torch_linear(x, weight, bias, activation)),
 ), lambda x, weight, bias, activation, prepared: (*linear_class(x, weight), activation))

@@ -10,6 +10,7 @@ kernel runs; each check asserts that the backend under test ran, forward and bac
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import os
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from typing import Callable
 import pytest
 import torch
 
-from fastbert import dispatch
+from fastbert import dispatch, ops
 from fastbert.testing import assert_close, assert_ran, grad_floor, poison_outputs, upcast
 from grids import DTYPES, KERNEL_BACKENDS, skip_unless_runnable, skip_unless_variant
 
@@ -140,6 +141,22 @@ def check_parity(spec: Spec, backend: str, dtype: torch.dtype, args, kwargs, var
     for i, (g, t, n) in enumerate(zip(grads, truth_grads, naive_grads)):
         assert_close(g, t, dtype, "grad", naive=n, name=f"{spec.op} grad of input {i}", floor=floor)
     return outs
+
+
+def check_inference_parity(spec: Spec, dtype: torch.dtype, args, kwargs, variant: str):
+    """For ops that keep packed weights (a `prepared` argument): the cpu `variant`, forced, in eager
+    inference with a PreparedWeights (the path a model's forward takes, packed copies and in-place
+    epilogues), twice (packing, then the kept copy), equals the reference's forward."""
+    args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+    prepared = ops.PreparedWeights()
+    truth = _outputs(spec.ref(*upcast(*spec.ref_args(args)), **kwargs))
+    naive = _outputs(spec.ref(*spec.ref_args(args), **kwargs))
+    for attempt in ("packing", "packed"):
+        with torch.no_grad(), dispatch.use_variant(spec.op, variant), poison_outputs(), dispatch.record() as calls:
+            outs = _outputs(spec.public(*args, **kwargs, prepared=prepared))
+        assert {c.variant for c in calls if c[0] == spec.op} == {variant}, calls
+        for i, (o, t, n) in enumerate(zip(outs, truth, naive)):
+            assert_close(o, t, dtype, spec.kind, naive=n, name=f"{spec.op} inference output {i} ({attempt})")
 
 
 def check_case(spec: Spec, case: Case, backend: str, dtype: torch.dtype):
@@ -456,6 +473,8 @@ def variant_parity_test(*specs):
         device = skip_unless_variant(spec.op, variant, dtype, **case.facts)
         args, kwargs = case.make(dtype, device)
         check_parity(spec, "cpu", dtype, args, kwargs, variant)
+        if "prepared" in inspect.signature(spec.public).parameters:
+            check_inference_parity(spec, dtype, args, kwargs, variant)
 
     return test_variant_parity
 
