@@ -68,8 +68,8 @@ def token_budget_batches(lengths: list[int], batch_tokens: int) -> list[list[int
 
 def cache_tokens(model, device: torch.device) -> int | None:
     """On a CPU, the most tokens a forward should take: those whose widest activation (the FFN's [tokens,
-    intermediate], in the dtype its GEMM writes) fits the last-level cache, as a power of two, at least 1024 (narrower GEMMs lose more
-    than the cache saves). Wider batches stream every layer's activations through memory: MiniLM fp32 ran
+    intermediate], in the dtype its GEMM writes) fits the last-level cache, as a power of two, at least 1024
+    (narrower GEMMs lose more than the cache saves). Wider batches stream every layer's activations through memory: MiniLM fp32 ran
     1.46x faster at 4096 tokens than at 16384 (benchmarks/RESULTS.md). None on GPUs, or where the cache
     size cannot be read."""
     from fastbert import tuning

@@ -123,6 +123,12 @@ def _cpu(x, weight, bias, activation, prepared):
     return onednn_linear(x, weight, bias, activation, prepared)
 
 
+def bias_gelu_in_place(y, bias, activation):
+    """y = GELU(y + bias) by fastbert's kernel, over y itself (a fresh, contiguous GEMM output)."""
+    torch.ops.fastbert_C.bias_gelu_fwd(y, bias.contiguous(), activation == "gelu_tanh", y)
+    return y
+
+
 def onednn_then_bias_gelu(x, weight, bias, activation, prepared):
     """oneDNN's GEMM without its GELU post-op, then fastbert's bias+GELU kernel over the output (in place,
     in eager inference): on a Zen 3 the post-op added 40% to the FFN's first GEMM, this 22% (RESULTS.md)."""
@@ -131,9 +137,7 @@ def onednn_then_bias_gelu(x, weight, bias, activation, prepared):
     direct = prepared is not None and entry(ONEDNN.forward, x, weight, bias) is ONEDNN.forward.direct
     if not direct or needs_grad(x, weight, bias):
         return bias_gelu_cxx(ONEDNN(x, weight, None, "none"), bias, approximation(activation))
-    y = onednn_linear(x, weight, None, "none", prepared)
-    torch.ops.fastbert_C.bias_gelu_fwd(y, bias.contiguous(), activation == "gelu_tanh", y)
-    return y
+    return bias_gelu_in_place(onednn_linear(x, weight, None, "none", prepared), bias, activation)
 
 
 def onednn_reasons(facts) -> list[str]:
@@ -165,8 +169,7 @@ def upcast_linear(x, weight, bias, activation, prepared: PreparedWeights | None,
         x2d = x.reshape(-1, x.shape[-1]).float()
         blocked = prepared.get("onednn_fp32", (weight,), lambda w: _onednn.pack(w.float(), x2d.shape[0]))
         if activation != "none" and bias is not None:
-            y = _onednn.linear(x2d, blocked, None, "none")
-            torch.ops.fastbert_C.bias_gelu_fwd(y, up(bias).contiguous(), activation == "gelu_tanh", y)
+            y = bias_gelu_in_place(_onednn.linear(x2d, blocked, None, "none"), up(bias), activation)
         else:
             y = _onednn.linear(x2d, blocked, up(bias), activation)
         y = y.view(*x.shape[:-1], weight.shape[0])
