@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from fastbert import tuning
+from fastbert import environment, tuning
 from fastbert.records import Call, muted, note, record  # noqa: F401  (fastbert.dispatch.record() is public)
 
 logger = logging.getLogger("fastbert")
@@ -237,13 +237,17 @@ def use_backend(backend: str, op: str | None = None):
         stack.pop()
 
 
+_BACKEND_VARIABLES = {op: (f"FASTBERT_BACKEND_{op.upper()}", "FASTBERT_BACKEND") for op in OPS}
+_VARIANT_VARIABLE = {op: f"FASTBERT_VARIANT_{op.upper()}" for op in OPS}
+
+
 def forced_backend(op: str) -> tuple[str, str] | None:
     """(backend, where it was forced) for `op`, innermost context first, then environment."""
     for backend, only in reversed(_override_stack()):
         if only is None or only == op:
             return backend, "use_backend()"
-    for var in (f"FASTBERT_BACKEND_{op.upper()}", "FASTBERT_BACKEND"):
-        value = os.environ.get(var)
+    for var in _BACKEND_VARIABLES[op]:
+        value = environment.get(var)
         if value:
             return _check_backend_name(value.strip().lower(), var), var
     return None
@@ -478,8 +482,9 @@ def forced_variant(op: str) -> tuple[str, str] | None:
     for only, name in reversed(_override_variants()):
         if only == op:
             return name, "use_variant()"
-    value = os.environ.get(f"FASTBERT_VARIANT_{op.upper()}")
-    return (value.strip().lower(), f"FASTBERT_VARIANT_{op.upper()}") if value else None
+    var = _VARIANT_VARIABLE[op]
+    value = environment.get(var)
+    return (value.strip().lower(), var) if value else None
 
 
 def follows_autocast(public_op):

@@ -21,12 +21,14 @@ from pathlib import Path
 
 import torch
 
+from fastbert import environment
+
 REPEATS = 5  # timed calls per variant (after one warm-up); the median decides
 _lock = threading.Lock()
 
 
 def enabled() -> bool:
-    return os.environ.get("FASTBERT_CPU_TUNE", "1").strip() != "0"
+    return environment.get("FASTBERT_CPU_TUNE", "1").strip() != "0"
 
 
 def cache_path() -> Path:

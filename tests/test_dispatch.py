@@ -1,6 +1,7 @@
 """The dispatch contract: reasons in words, fallback logged once, forced backends raise, records."""
 import copy
 import logging
+import os
 
 import pytest
 import torch
@@ -99,6 +100,21 @@ def test_environment_overrides(monkeypatch):
     monkeypatch.setenv("FASTBERT_BACKEND_BIAS_GELU", "nonsense")
     with pytest.raises(ValueError, match="FASTBERT_BACKEND_BIAS_GELU: unknown backend 'nonsense'"):
         ops.bias_gelu(x, b)
+
+
+def test_environment_reads_what_os_environ_holds_now(monkeypatch):
+    from fastbert import environment
+
+    name = "FASTBERT_TEST_SETTING"
+    monkeypatch.delenv(name, raising=False)
+    assert environment.get(name) is None and environment.get(name, "1") == "1"
+    for value in ("reference", "", "x=y ü"):  # set, empty, and not ASCII
+        monkeypatch.setenv(name, value)
+        assert environment.get(name) == os.environ.get(name) == value
+    monkeypatch.delenv(name)
+    assert environment.get(name) is None
+    monkeypatch.setattr(os, "environ", {name: "plain"})  # a mapping without CPython's internals
+    assert environment.get(name) == "plain" and environment.get("FASTBERT_ABSENT", "d") == "d"
 
 
 def test_record_sees_forward_and_backward_of_the_same_backend():
