@@ -300,9 +300,6 @@ struct Fp32Products {
 
 #ifdef FASTBERT_AVX512_BF16
 
-// Lanes [0, n) of 16 (n may be <= 0 or >= 16).
-inline __mmask16 lane_mask(int64_t n) { return n >= 16 ? 0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
-
 // C[M x N] = alpha * A B (+ C if accumulate), fp32 C. A: M rows of 2K bfloat16 (row stride lda elements),
 // read as K pairs. B: K rows of N pairs (uint32, row stride ldb), pair k of column n holding the two
 // elements of B's summed dimension that meet A's pair k. _mm512_dpbf16_ps adds both products of each

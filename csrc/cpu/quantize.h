@@ -18,9 +18,8 @@ inline void store_bytes(uint8_t* q, int64_t m, const VecF& a, const VecF& b) {
 #if defined(CPU_CAPABILITY_AVX512)
   // Truncating to int32 then narrowing to bytes (vpmovdb) is exact for whole numbers in range: a
   // block in four instructions, where the byte-by-byte loop below costs one store per value.
-  const auto lanes = [](int64_t n) { return __mmask16(n >= 16 ? 0xFFFF : n <= 0 ? 0 : (1u << n) - 1); };
-  _mm512_mask_cvtepi32_storeu_epi8(q, lanes(m), _mm512_cvttps_epi32(a));
-  _mm512_mask_cvtepi32_storeu_epi8(q + kHalf, lanes(m - kHalf), _mm512_cvttps_epi32(b));
+  _mm512_mask_cvtepi32_storeu_epi8(q, lane_mask(m), _mm512_cvttps_epi32(a));
+  _mm512_mask_cvtepi32_storeu_epi8(q + kHalf, lane_mask(m - kHalf), _mm512_cvttps_epi32(b));
 #else
   float buf[kBlock];
   a.store(buf);

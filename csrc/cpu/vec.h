@@ -57,6 +57,11 @@ inline void store2(c10::BFloat16* p, int64_t n, const VecF& a, const VecF& b) {
   if (n == kBlock) v.store(p); else v.store(p, n);
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// Lanes [0, n) of 16 (n may be <= 0 or >= 16): the mask of a vector's share of a tail.
+inline __mmask16 lane_mask(int64_t n) { return n >= 16 ? 0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
+#endif
+
 // f(j, m) over [0, n) in blocks of m elements: every full block first, with m == kBlock a constant the
 // compiler folds into plain loads and stores (no masks, no branches), then the tail.
 template <typename F>
