@@ -288,14 +288,21 @@ struct Fp32Products {
     K = Rows<T>(k, ldk, keys, d, kbuf);
     V = Rows<T>(v, ldv, keys, d, vbuf);
   }
-  // S [nq x nk] = scale * Q[qb:] K[kb:]^T
-  void scores(int64_t qb, int64_t nq, int64_t kb, int64_t nk, float scale, float* S) {
+  // S [nq x nk] = scale * Q[qb:] K[kb:]^T; the rows' maxima are left to the softmax (false).
+  bool scores(int64_t qb, int64_t nq, int64_t kb, int64_t nk, float scale, float* S, float* /*row_max*/) {
     gemm(kForward, false, true, nq, nk, d, Q.row(qb), Q.ld, K.row(kb), K.ld, S, nk, scale, false, scratch);
+    return false;
   }
-  // O [nq x d] += P [nq x nk] V[kb:]
-  void accumulate(int64_t nq, int64_t kb, int64_t nk, const float* P, float* O) {
+  // Where the softmax writes P [nq x nk] (row stride ld): over the scores, in place.
+  float* probabilities(int64_t /*nq*/, int64_t nk, float* S, int64_t& ld) {
+    ld = nk;
+    return P = S;
+  }
+  // O [nq x d] += P V[kb:]
+  void accumulate(int64_t nq, int64_t kb, int64_t nk, float* O) {
     gemm(kForward, false, false, nq, d, nk, P, nk, V.row(kb), V.ld, O, d, 1.f, true, scratch);
   }
+  float* P = nullptr;
 };
 
 #ifdef FASTBERT_AVX512_BF16
@@ -304,10 +311,14 @@ struct Fp32Products {
 // read as K pairs. B: K rows of N pairs (uint32, row stride ldb), pair k of column n holding the two
 // elements of B's summed dimension that meet A's pair k. _mm512_dpbf16_ps adds both products of each
 // pair to an fp32 lane: two products per lane per instruction. Register block: R rows x 32 columns
-// (2R accumulators).
+// (2R accumulators). `row_max` (or null): each row's maximum of C, NaN if it holds one, taken while the
+// rows are still in registers (the softmax then skips a pass over the scores).
 template <int R>
 void dot_rows(int64_t N, int64_t K, const c10::BFloat16* A, int64_t lda, const uint32_t* B, int64_t ldb, float* C,
-              int64_t ldc, float alpha, bool accumulate) {
+              int64_t ldc, float alpha, bool accumulate, float* row_max) {
+  const __m512 minus_inf = _mm512_set1_ps(-kInf);
+  VecF vmax[R];
+  for (int r = 0; r < R; ++r) vmax[r] = VecF(minus_inf);
   for (int64_t j = 0; j < N; j += 32) {
     const int64_t m = std::min<int64_t>(32, N - j);
     const __mmask16 lo = lane_mask(m), hi = lane_mask(m - 16);
@@ -344,14 +355,20 @@ void dot_rows(int64_t N, int64_t K, const c10::BFloat16* A, int64_t lda, const u
       }
       _mm512_mask_storeu_ps(c, lo, c0);
       _mm512_mask_storeu_ps(c + 16, hi, c1);
+      if (row_max != nullptr)  // at::vec::maximum keeps a NaN; lanes past N count as -inf
+        vmax[r] = at::vec::maximum(vmax[r], at::vec::maximum(VecF(_mm512_mask_blend_ps(lo, minus_inf, c0)),
+                                                             VecF(_mm512_mask_blend_ps(hi, minus_inf, c1))));
     }
   }
+  if (row_max != nullptr)
+    for (int r = 0; r < R; ++r) row_max[r] = reduce_max(vmax[r]);
 }
 
 void dot(int64_t M, int64_t N, int64_t K, const c10::BFloat16* A, int64_t lda, const uint32_t* B, int64_t ldb,
-         float* C, int64_t ldc, float alpha, bool accumulate) {
+         float* C, int64_t ldc, float alpha, bool accumulate, float* row_max = nullptr) {
   for_row_blocks<8>(M, [&](int64_t i, auto rows) {
-    dot_rows<rows.value>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, alpha, accumulate);
+    dot_rows<rows.value>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, alpha, accumulate,
+                         row_max == nullptr ? nullptr : row_max + i);
   });
 }
 
@@ -423,11 +440,18 @@ struct Bf16Products {
     pairs_along_d(k, ldk, keys, d, kt);
     pairs_along_rows(v, ldv, keys, d, vp);
   }
-  void scores(int64_t qb, int64_t nq, int64_t kb, int64_t nk, float scale, float* S) {
-    dot(nq, nk, d / 2, q + qb * ldq, ldq, kt.data() + kb, keys, S, nk, scale, false);
+  bool scores(int64_t qb, int64_t nq, int64_t kb, int64_t nk, float scale, float* S, float* row_max) {
+    dot(nq, nk, d / 2, q + qb * ldq, ldq, kt.data() + kb, keys, S, nk, scale, false, row_max);
+    return true;
   }
-  void accumulate(int64_t nq, int64_t kb, int64_t nk, const float* P, float* O) {
-    const int64_t width = round_to_pairs(P, nk, nq, nk, 1.f, pb);
+  // P as the softmax writes it: bfloat16 rows of whole pairs (width nk rounded up to even), P V's left operand.
+  c10::BFloat16* probabilities(int64_t nq, int64_t nk, float* /*S*/, int64_t& ld) {
+    ld = (nk + 1) / 2 * 2;
+    pb.resize(std::max<size_t>(pb.size(), (size_t)(nq * ld)));
+    return pb.data();
+  }
+  void accumulate(int64_t nq, int64_t kb, int64_t nk, float* O) {
+    const int64_t width = (nk + 1) / 2 * 2;
     dot(nq, d, width / 2, pb.data(), width, vp.data() + kb / 2 * d, d, O, d, 1.f, true);
   }
 };
@@ -438,14 +462,24 @@ struct Bf16Products {
 // brgemm has no alpha: the scores are scaled after. Each thread releases the tile state when done.
 struct BrgemmProducts : Bf16Products {
   ~BrgemmProducts() { at::native::cpublas::brgemm_release(true); }
-  void scores(int64_t qb, int64_t nq, int64_t kb, int64_t nk, float scale, float* S) {
+  // The scaling pass takes each row's maximum too.
+  bool scores(int64_t qb, int64_t nq, int64_t kb, int64_t nk, float scale, float* S, float* row_max) {
     at::native::cpublas::brgemm(nq, nk, d, ldq, keys, nk, false, q + qb * ldq,
                                 reinterpret_cast<const c10::BFloat16*>(kt.data() + kb), S, true);
     const VecF s(scale);
-    for_vectors(nq * nk, [&](int64_t j, int64_t m) { (VecF::loadu(S + j, m) * s).store(S + j, m); });
+    for (int64_t r = 0; r < nq; ++r) {
+      VecF vmax(-kInf);
+      for_vectors(nk, [&](int64_t j, int64_t m) {
+        const VecF x = VecF::loadu(S + r * nk + j, m) * s;
+        x.store(S + r * nk + j, m);
+        vmax = at::vec::maximum(vmax, m < kHalf ? VecF::set(VecF(-kInf), x, m) : x);
+      });
+      row_max[r] = reduce_max(vmax);
+    }
+    return true;
   }
-  void accumulate(int64_t nq, int64_t kb, int64_t nk, const float* P, float* O) {
-    const int64_t width = round_to_pairs(P, nk, nq, nk, 1.f, pb);
+  void accumulate(int64_t nq, int64_t kb, int64_t nk, float* O) {
+    const int64_t width = (nk + 1) / 2 * 2;
     at::native::cpublas::brgemm(nq, d, width, width, d, d, true, pb.data(),
                                 reinterpret_cast<const c10::BFloat16*>(vp.data() + kb / 2 * d), O, true);
   }
@@ -524,7 +558,8 @@ void forward_with(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const int64_t d = b.d;
   at::parallel_for(0, b.sequences * b.heads, 1, [&](int64_t begin, int64_t end) {
     Products products;
-    std::vector<float> O(kBlockQ * d), S(kBlockQ * kBlockK), bias(b.max_length), row_max(kBlockQ), row_sum(kBlockQ);
+    std::vector<float> O(kBlockQ * d), S(kBlockQ * kBlockK), bias(b.max_length), row_max(kBlockQ), row_sum(kBlockQ),
+        block_max(kBlockQ);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i = task % b.sequences, h = task / b.sequences, L = b.length[i], s0 = b.start[i];
       if (L == 0) continue;
@@ -540,38 +575,59 @@ void forward_with(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           const int64_t nk = std::min(kBlockK, keys - kb);
           // Right-padded batches have no padding left among the visited keys: then no bias to add.
           const bool masked = std::find(bias.begin() + kb, bias.begin() + kb + nk, -kInf) != bias.begin() + kb + nk;
-          products.scores(qb, nq, kb, nk, scale, S.data());
+          // Each row's maximum comes with the scores where the product takes it (not with a padding bias).
+          const bool have_max = products.scores(qb, nq, kb, nk, scale, S.data(), block_max.data()) && !masked;
+          int64_t ld = 0;
+          auto* P = products.probabilities(nq, nk, S.data(), ld);  // where P V reads the probabilities
           for (int64_t r = 0; r < nq; ++r) {
             float* s = S.data() + r * nk;
-            VecF vmax(-kInf);
-            for_vectors(nk, [&](int64_t j, int64_t m) {
-              VecF x = VecF::loadu(s + j, m);
-              if (masked) {
-                x = x + VecF::loadu(bias.data() + kb + j, m);
-                x.store(s + j, m);
-              }
-              vmax = at::vec::maximum(vmax, m < kHalf ? VecF::set(VecF(-kInf), x, m) : x);
-            });
-            const float m_new = std::max(reduce_max(vmax), row_max[r]);  // in this order a NaN score stays NaN
+            auto* p = P + r * ld;
+            float top = block_max[r];
+            if (!have_max) {
+              VecF vmax(-kInf);
+              for_vectors(nk, [&](int64_t j, int64_t m) {
+                VecF x = VecF::loadu(s + j, m);
+                if (masked) {
+                  x = x + VecF::loadu(bias.data() + kb + j, m);
+                  x.store(s + j, m);
+                }
+                vmax = at::vec::maximum(vmax, m < kHalf ? VecF::set(VecF(-kInf), x, m) : x);
+              });
+              top = reduce_max(vmax);
+            }
+            const float m_new = std::max(top, row_max[r]);  // in this order a NaN score stays NaN
             if (m_new == -kInf) {  // every key so far is padding: nothing to add
-              std::fill(s, s + nk, 0.f);
+              std::fill(p, p + ld, 0.f);
               continue;
             }
             const float correction = std::exp(row_max[r] - m_new);  // 0 on the first kept block
-            VecF acc(0.f);
-            for_vectors(nk, [&](int64_t j, int64_t m) {
-              VecF p = fast_exp<T>(VecF::loadu(s + j, m) - VecF(m_new));
-              if (m < kHalf) p = VecF::set(VecF(0.f), p, m);
-              p.store(s + j, m);
-              acc = acc + p;
+            // One pass: exp, the row's sum, and the probabilities stored as P V reads them (rounded to
+            // bfloat16 pairs by the bf16 products); with dropout they stay fp32 in S until it has run.
+            const bool drop = dropout.on();
+            VecF sum_a(0.f), sum_b(0.f);
+            for_blocks(nk, [&](int64_t j, int64_t m) {
+              VecF a, b;
+              load2(s + j, m, a, b);
+              a = fast_exp<T>(a - VecF(m_new));
+              b = fast_exp<T>(b - VecF(m_new));
+              if (m < kBlock) {  // lanes past nk loaded zeros, whose exp is not 0
+                a = VecF::set(VecF(0.f), a, std::min(m, kHalf));
+                b = VecF::set(VecF(0.f), b, std::max<int64_t>(m - kHalf, 0));
+              }
+              sum_a = sum_a + a;
+              sum_b = sum_b + b;
+              if (drop) store2(s + j, m, a, b); else store2(p + j, m, a, b);
             });
-            row_sum[r] = row_sum[r] * correction + reduce_sum(acc);  // the normalizer sees every probability
+            row_sum[r] = row_sum[r] * correction + reduce_sum(sum_a + sum_b);  // the normalizer sees every probability
+            if (row_max[r] != -kInf && correction != 1.f) store_row(O.data() + r * d, O.data() + r * d, d, correction);
             row_max[r] = m_new;
-            if (correction != 1.f) store_row(O.data() + r * d, O.data() + r * d, d, correction);
-            if (dropout.on())  // ... P @ V only the kept ones, scaled by 1 / (1 - p)
+            if (drop) {  // ... P @ V only the kept ones, scaled by 1 / (1 - p)
               dropout_run(dropout, i, h, qb + r, kb, 0, 1, nk, s, s);
+              if (static_cast<void*>(p) != static_cast<void*>(s)) store_row(p, s, nk, 1.f);
+            }
+            if (ld > nk) std::fill(p + nk, p + ld, 0.f);  // the odd key's zero partner
           }
-          products.accumulate(nq, kb, nk, S.data(), O.data());
+          products.accumulate(nq, kb, nk, O.data());
         }
         for (int64_t r = 0; r < nq; ++r) {
           const float l = row_sum[r];
