@@ -55,10 +55,13 @@ void for_row_blocks(int64_t M, const F& f) {
 }
 
 // C[M x N] = beta * C + alpha * A[M x K] @ B[K x N]; all row-major fp32; beta is 0 or 1.
-// Register block: R rows of A x 2 vectors of B's columns.
+// Register block: R rows of A x 2 vectors of B's columns. `row_max` (or null): each row's maximum of C,
+// NaN if it holds one, as dot_rows takes it.
 template <int R>
 void gemm_rows(int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
-               int64_t ldc, float alpha, bool accumulate) {
+               int64_t ldc, float alpha, bool accumulate, float* row_max) {
+  VecF vmax[R];
+  for (int r = 0; r < R; ++r) vmax[r] = VecF(-kInf);
   for (int64_t j = 0; j < N; j += kBlock) {
     const int64_t m = std::min(kBlock, N - j);
     VecF acc[R][2];
@@ -93,8 +96,13 @@ void gemm_rows(int64_t N, int64_t K, const float* A, int64_t lda, const float* B
         c1 = c1 + o1;
       }
       store2(C + r * ldc + j, m, c0, c1);
+      if (row_max != nullptr)  // lanes past N count as -inf
+        vmax[r] = at::vec::maximum(vmax[r], at::vec::maximum(VecF::set(VecF(-kInf), c0, std::min(m, kHalf)),
+                                                             VecF::set(VecF(-kInf), c1, std::max<int64_t>(m - kHalf, 0))));
     }
   }
+  if (row_max != nullptr)
+    for (int r = 0; r < R; ++r) row_max[r] = reduce_max(vmax[r]);
 }
 
 // The BLAS sgemm that torch itself links (MKL or OpenBLAS), found at run time so that a torch
@@ -123,11 +131,12 @@ sgemm_fn blas_sgemm(bool forward) {
 }
 
 void gemm_nn(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
-             int64_t ldc, float alpha, bool accumulate) {
+             int64_t ldc, float alpha, bool accumulate, float* row_max) {
   // 8 rows x 2 vectors = 16 accumulators: half of AVX-512's 32 registers; AVX2 has 16 in all, so 4 rows.
   constexpr int kRows = kHalf == 16 ? 8 : 4;
   for_row_blocks<kRows>(M, [&](int64_t i, auto rows) {
-    gemm_rows<rows.value>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, alpha, accumulate);
+    gemm_rows<rows.value>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, alpha, accumulate,
+                          row_max == nullptr ? nullptr : row_max + i);
   });
 }
 
@@ -139,17 +148,18 @@ void transpose(const float* src, int64_t ld, int64_t rows, int64_t cols, float* 
 }
 
 // C[M x N] = alpha * op(A) op(B) (+ C if accumulate); row-major fp32 with row strides lda, ldb, ldc;
-// op(X) = X^T where the flag says so. BLAS or the micro-kernel (on copies), as blas_sgemm says.
-void gemm(bool forward, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
+// op(X) = X^T where the flag says so. BLAS or the micro-kernel (on copies), as blas_sgemm says. Returns
+// whether `row_max` (if not null) was written: the micro-kernel takes each row's maximum, BLAS does not.
+bool gemm(bool forward, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
           const float* B, int64_t ldb, float* C, int64_t ldc, float alpha, bool accumulate,
-          std::vector<float>& scratch) {
-  if (M == 0 || N == 0) return;
+          std::vector<float>& scratch, float* row_max = nullptr) {
+  if (M == 0 || N == 0) return false;
   if (const sgemm_fn sgemm = blas_sgemm(forward)) {
     // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: swap the operands.
     const int m = (int)N, n = (int)M, k = (int)K, la = (int)ldb, lb = (int)lda, lc = (int)ldc;
     const float beta = accumulate ? 1.f : 0.f;
     sgemm(trans_b ? "T" : "N", trans_a ? "T" : "N", &m, &n, &k, &alpha, B, &la, A, &lb, &beta, C, &lc);
-    return;
+    return false;
   }
   scratch.resize(std::max<size_t>(scratch.size(), (size_t)(M * K + K * N)));
   if (trans_a) {
@@ -164,9 +174,10 @@ void gemm(bool forward, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_
   }
   if (K == 0) {
     if (!accumulate) for (int64_t i = 0; i < M; ++i) std::fill(C + i * ldc, C + i * ldc + N, 0.f);
-    return;
+    return false;
   }
-  gemm_nn(M, N, K, A, lda, B, ldb, C, ldc, alpha, accumulate);
+  gemm_nn(M, N, K, A, lda, B, ldb, C, ldc, alpha, accumulate, row_max);
+  return row_max != nullptr;
 }
 
 // Where row r of head h of sequence i lives: (start(i) + r) * row + i * seq + h * head.
@@ -288,10 +299,10 @@ struct Fp32Products {
     K = Rows<T>(k, ldk, keys, d, kbuf);
     V = Rows<T>(v, ldv, keys, d, vbuf);
   }
-  // S [nq x nk] = scale * Q[qb:] K[kb:]^T; the rows' maxima are left to the softmax (false).
-  bool scores(int64_t qb, int64_t nq, int64_t kb, int64_t nk, float scale, float* S, float* /*row_max*/) {
-    gemm(kForward, false, true, nq, nk, d, Q.row(qb), Q.ld, K.row(kb), K.ld, S, nk, scale, false, scratch);
-    return false;
+  // S [nq x nk] = scale * Q[qb:] K[kb:]^T, and each row's maximum where the micro-kernel runs (true).
+  bool scores(int64_t qb, int64_t nq, int64_t kb, int64_t nk, float scale, float* S, float* row_max) {
+    return gemm(kForward, false, true, nq, nk, d, Q.row(qb), Q.ld, K.row(kb), K.ld, S, nk, scale, false, scratch,
+                row_max);
   }
   // Where the softmax writes P [nq x nk] (row stride ld): over the scores, in place.
   float* probabilities(int64_t /*nq*/, int64_t nk, float* S, int64_t& ld) {
