@@ -49,6 +49,9 @@ TORCH_LIBRARY(fastbert_C, m) {
   // 3 AVX512-VNNI, 4 AVX2 without VNNI (int16 pairs).
   m.def("int8_pack(Tensor weight) -> Tensor");
   m.def("int8_matmul(Tensor q, Tensor packed, int n, int k, Tensor weight_scale, int isa, Tensor(a!) out) -> ()");
+  // int8_matmul with dequantize_rows applied to each tile while it is in cache (out float32 or bfloat16).
+  m.def("int8_matmul_dequantize(Tensor q, Tensor packed, int n, int k, Tensor weight_scale, Tensor scale, "
+        "Tensor zero_point, Tensor wsum, Tensor? bias, int activation, int isa, Tensor(a!) out) -> ()");
   m.def("int8_isa_supported(int isa) -> bool");  // whether int8_matmul runs with this isa here
   m.def("dropout_keep(int seed, float dropout_p, int sequences, int heads, int rows, int cols) -> Tensor");
 }

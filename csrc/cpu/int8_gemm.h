@@ -97,7 +97,17 @@ inline void pack(const int8_t* w, int64_t n, int64_t k, int8_t* packed) {
   });
 }
 
-// One GEMM's operands. q [m, k] and out [m, n] are row-major with row strides k and n.
+// What follows a tile where the GEMM's float32 result is not the output: `apply(context, row, rows, col0,
+// cols, tile, ld)` gets the tile's rows [row, row + rows) x columns [col0, col0 + cols) in `tile` (row stride
+// ld), still in L1, and writes the real output (quantized_dense.cpp: dequantize, bias, GELU, bfloat16).
+struct Epilogue {
+  void (*apply)(const void* context, int64_t row, int64_t rows, int64_t col0, int64_t cols, const float* tile,
+                int64_t ld) = nullptr;
+  const void* context = nullptr;
+};
+
+// One GEMM's operands. q [m, k] and out [m, n] are row-major with row strides k and n; with an epilogue,
+// out is unused.
 struct Problem {
   const uint8_t* q;
   const int8_t* packed;  // as pack() made it
@@ -106,6 +116,7 @@ struct Problem {
   int64_t m, n, k;
   int64_t block_stride;  // bytes from one 16-channel block to the next: groups(k) * 64
   const int32_t* pairs = nullptr;  // the AVX2 path's q, as split_pairs made it
+  Epilogue epilogue;
 };
 
 // Four bytes of a q row as one int32 lane: group g of a row with k values; past k they are zero (the
@@ -122,15 +133,16 @@ inline int32_t load_full_group(const uint8_t* row, int64_t g) {
   return v;
 }
 
-// A tile: kRows rows from `row`, kBlocks 16-channel blocks from `block` (clipped to n on store).
-using TileFn = void (*)(const Problem&, int64_t row, int64_t block);
+// A tile: kRows rows from `row`, kBlocks 16-channel blocks from `block` (clipped to n on store), stored at
+// `out` (the tile's first element; row stride ldo).
+using TileFn = void (*)(const Problem&, int64_t row, int64_t block, float* out, int64_t ldo);
 
 // ---------------------------------------------------------------- portable: int32 loops for the compiler
 
 // Each k group's 16 x 4 weights are widened once into 4 rows of 16 int32 (reused by kRows rows of q), so
 // the inner loops are contiguous int32 multiply-adds over 16 channels.
 template <int kRows>
-void tile_portable(const Problem& p, int64_t row, int64_t block) {
+void tile_portable(const Problem& p, int64_t row, int64_t block, float* out, int64_t ldo) {
   int32_t acc[kRows][kCols] = {};
   const int8_t* w = p.packed + block * p.block_stride;
   const uint8_t* q = p.q + row * p.k;
@@ -148,10 +160,8 @@ void tile_portable(const Problem& p, int64_t row, int64_t block) {
     }
   }
   const int64_t col0 = block * kCols, cols = std::min(kCols, p.n - col0);
-  for (int r = 0; r < kRows; ++r) {
-    float* out = p.out + (row + r) * p.n + col0;
-    for (int64_t c = 0; c < cols; ++c) out[c] = p.scale[col0 + c] * static_cast<float>(acc[r][c]);
-  }
+  for (int r = 0; r < kRows; ++r)
+    for (int64_t c = 0; c < cols; ++c) out[r * ldo + c] = p.scale[col0 + c] * static_cast<float>(acc[r][c]);
 }
 
 #if defined(__x86_64__)
@@ -188,7 +198,7 @@ FASTBERT_AVX512_VNNI __attribute__((always_inline)) inline void group_avx512(
 // kRows x kBlocks accumulators (6 x 4 = 24 of the 32 zmm registers) and the weights of one k group in
 // kBlocks more.
 template <int kRows, int kBlocks>
-FASTBERT_AVX512_VNNI void tile_avx512(const Problem& p, int64_t row, int64_t block) {
+FASTBERT_AVX512_VNNI void tile_avx512(const Problem& p, int64_t row, int64_t block, float* out, int64_t ldo) {
   __m512i acc[kRows][kBlocks];
 #pragma GCC unroll 8
   for (int r = 0; r < kRows; ++r)
@@ -215,15 +225,15 @@ FASTBERT_AVX512_VNNI void tile_avx512(const Problem& p, int64_t row, int64_t blo
     const __m512 scale = _mm512_maskz_loadu_ps(mask, p.scale + col0);
 #pragma GCC unroll 8
     for (int r = 0; r < kRows; ++r)
-      _mm512_mask_storeu_ps(p.out + (row + r) * p.n + col0, mask,
+      _mm512_mask_storeu_ps(out + r * ldo + b * kCols, mask,
                             _mm512_mul_ps(scale, _mm512_maskz_cvtepi32_ps(mask, acc[r][b])));
   }
 }
 
-// out[row + r, block's 16 channels] = scale x float(lo[r] : hi[r]), clipped to n.
+// out[r, block's 16 channels] = scale x float(lo[r] : hi[r]), clipped to n.
 template <int kRows>
-FASTBERT_AVX2 __attribute__((always_inline)) inline void store_ymm(const Problem& p, int64_t row, int64_t block,
-                                                                   const __m256i (&lo)[kRows],
+FASTBERT_AVX2 __attribute__((always_inline)) inline void store_ymm(const Problem& p, int64_t block, float* out,
+                                                                   int64_t ldo, const __m256i (&lo)[kRows],
                                                                    const __m256i (&hi)[kRows]) {
   const int64_t col0 = block * kCols, cols = std::min(kCols, p.n - col0);
   float scale[kCols] = {};
@@ -231,17 +241,17 @@ FASTBERT_AVX2 __attribute__((always_inline)) inline void store_ymm(const Problem
   const __m256 scale_lo = _mm256_loadu_ps(scale), scale_hi = _mm256_loadu_ps(scale + 8);
 #pragma GCC unroll 8
   for (int r = 0; r < kRows; ++r) {
-    float* out = p.out + (row + r) * p.n + col0;
+    float* o = out + r * ldo;
     const __m256 y_lo = _mm256_mul_ps(scale_lo, _mm256_cvtepi32_ps(lo[r]));
     const __m256 y_hi = _mm256_mul_ps(scale_hi, _mm256_cvtepi32_ps(hi[r]));
     if (cols == kCols) {
-      _mm256_storeu_ps(out, y_lo);
-      _mm256_storeu_ps(out + 8, y_hi);
+      _mm256_storeu_ps(o, y_lo);
+      _mm256_storeu_ps(o + 8, y_hi);
     } else {
       float y[kCols];
       _mm256_storeu_ps(y, y_lo);
       _mm256_storeu_ps(y + 8, y_hi);
-      std::memcpy(out, y, cols * sizeof(float));
+      std::memcpy(o, y, cols * sizeof(float));
     }
   }
 }
@@ -264,7 +274,7 @@ FASTBERT_AVX_VNNI __attribute__((always_inline)) inline void group_avx_vnni(
 // kRows x 2 accumulators (6 x 2 = 12 of the 16 ymm registers), the block's two weight vectors and the
 // broadcast q lane: VEX vpdpbusd has no broadcast memory operand.
 template <int kRows>
-FASTBERT_AVX_VNNI void tile_avx_vnni(const Problem& p, int64_t row, int64_t block) {
+FASTBERT_AVX_VNNI void tile_avx_vnni(const Problem& p, int64_t row, int64_t block, float* out, int64_t ldo) {
   __m256i lo[kRows], hi[kRows];
 #pragma GCC unroll 8
   for (int r = 0; r < kRows; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
@@ -282,7 +292,7 @@ FASTBERT_AVX_VNNI void tile_avx_vnni(const Problem& p, int64_t row, int64_t bloc
     for (int r = 0; r < kRows; ++r) x[r] = load_group(q + r * p.k, full, p.k);
     group_avx_vnni(lo, hi, w + full * kBlockBytes, x);
   }
-  store_ymm(p, row, block, lo, hi);
+  store_ymm(p, block, out, ldo, lo, hi);
 }
 
 // ---------------------------------------------------------------- AVX2 without VNNI: int16 pairs
@@ -341,7 +351,7 @@ FASTBERT_AVX2 __attribute__((always_inline)) inline void group_avx2(
 // kRows x 2 accumulators (4 x 2 = 8 of the 16 ymm registers) and the block's four int16 weight vectors.
 // The loop is tile_avx_vnni's, written again: a function inlines only steps of its own target (avx2 here).
 template <int kRows>
-FASTBERT_AVX2 void tile_avx2(const Problem& p, int64_t row, int64_t block) {
+FASTBERT_AVX2 void tile_avx2(const Problem& p, int64_t row, int64_t block, float* out, int64_t ldo) {
   __m256i lo[kRows], hi[kRows];
 #pragma GCC unroll 8
   for (int r = 0; r < kRows; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
@@ -349,7 +359,7 @@ FASTBERT_AVX2 void tile_avx2(const Problem& p, int64_t row, int64_t block) {
   const int64_t g_count = groups(p.k);
   const int32_t* pairs = p.pairs + row * g_count * 2;
   for (int64_t g = 0; g < g_count; ++g) group_avx2(lo, hi, w + g * kBlockBytes, pairs + 2 * g, g_count * 2);
-  store_ymm(p, row, block, lo, hi);
+  store_ymm(p, block, out, ldo, lo, hi);
 }
 
 #endif  // __x86_64__
@@ -378,20 +388,28 @@ Kernel<kRows, kBlocks> make_kernel() {
 
 template <int kRows, int kBlocks>
 struct PortableTile {
-  static void run(const Problem& p, int64_t row, int64_t block) { tile_portable<kRows>(p, row, block); }
+  static void run(const Problem& p, int64_t row, int64_t block, float* out, int64_t ldo) {
+    tile_portable<kRows>(p, row, block, out, ldo);
+  }
 };
 #if defined(__x86_64__)
 template <int kRows, int kBlocks>
 struct Avx512Tile {
-  static void run(const Problem& p, int64_t row, int64_t block) { tile_avx512<kRows, kBlocks>(p, row, block); }
+  static void run(const Problem& p, int64_t row, int64_t block, float* out, int64_t ldo) {
+    tile_avx512<kRows, kBlocks>(p, row, block, out, ldo);
+  }
 };
 template <int kRows, int kBlocks>
 struct AvxVnniTile {
-  static void run(const Problem& p, int64_t row, int64_t block) { tile_avx_vnni<kRows>(p, row, block); }
+  static void run(const Problem& p, int64_t row, int64_t block, float* out, int64_t ldo) {
+    tile_avx_vnni<kRows>(p, row, block, out, ldo);
+  }
 };
 template <int kRows, int kBlocks>
 struct Avx2Tile {
-  static void run(const Problem& p, int64_t row, int64_t block) { tile_avx2<kRows>(p, row, block); }
+  static void run(const Problem& p, int64_t row, int64_t block, float* out, int64_t ldo) {
+    tile_avx2<kRows>(p, row, block, out, ldo);
+  }
 };
 #endif
 
@@ -407,14 +425,22 @@ void run(const Problem& p, const Kernel<kRows, kBlocks>& kernel) {
   // At least ~1M multiply-adds per thread's share: smaller GEMMs are not worth waking threads for.
   const int64_t task_macs = std::min(p.m, kRowsPerTask) * kBlocks * kCols * std::max<int64_t>(p.k, 1);
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 20) / task_macs);
+  constexpr int64_t kTileCols = kBlocks * kCols;
   at::parallel_for(0, panels * row_tasks, grain, [&](int64_t begin, int64_t end) {
+    alignas(64) float tile[kRows * kTileCols];  // the epilogue's input
     for (int64_t t = begin; t < end; ++t) {
       const int64_t panel = t / row_tasks, row0 = (t % row_tasks) * kRowsPerTask;
       const int64_t block = panel * kBlocks, nb = std::min<int64_t>(kBlocks, n_blocks - block);
+      const int64_t col0 = block * kCols, cols = std::min(nb * kCols, p.n - col0);
       const int64_t row_end = std::min(p.m, row0 + kRowsPerTask);
       for (int64_t r = row0; r < row_end; r += kRows) {
         const int64_t rows = std::min<int64_t>(kRows, row_end - r);
-        kernel.table[rows - 1][nb - 1](p, r, block);
+        if (p.epilogue.apply == nullptr) {
+          kernel.table[rows - 1][nb - 1](p, r, block, p.out + r * p.n + col0, p.n);
+        } else {
+          kernel.table[rows - 1][nb - 1](p, r, block, tile, kTileCols);
+          p.epilogue.apply(p.epilogue.context, r, rows, col0, cols, tile, kTileCols);
+        }
       }
     }
   });

@@ -117,22 +117,26 @@ void quantize_tensor(const at::Tensor& x, double scale, int64_t zero_point, cons
       }));
 }
 
-// The epilogue's inputs checked; returns the bias pointer (nullptr without one).
+// The epilogue's terms for [rows, n] checked; returns the bias pointer (nullptr without one).
+const float* check_terms(const char* op, int64_t rows, int64_t n, const at::Tensor& scale, const at::Tensor& zero_point,
+                         const at::Tensor& wsum, const std::optional<at::Tensor>& bias, int64_t activation) {
+  TORCH_CHECK(scale.numel() == rows && scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
+                  zero_point.numel() == rows && zero_point.scalar_type() == at::kInt && zero_point.is_contiguous(),
+              op, ": scale (float32) and zero_point (int32) must be [rows]");
+  TORCH_CHECK(wsum.numel() == n && wsum.scalar_type() == at::kFloat && wsum.is_contiguous(),
+              op, ": wsum must be float32 [n]");
+  TORCH_CHECK(activation >= 0 && activation <= 2, op, ": activation must be 0 (none), 1 (gelu), 2 (gelu_tanh)");
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->numel() == n && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
+              op, ": bias must be float32 [n]");
+  return bias->data_ptr<float>();
+}
+
 const float* check_epilogue(const at::Tensor& acc, const at::Tensor& scale, const at::Tensor& zero_point,
                             const at::Tensor& wsum, const std::optional<at::Tensor>& bias, int64_t activation) {
   TORCH_CHECK(acc.dim() == 2 && acc.is_contiguous() && acc.scalar_type() == at::kFloat,
               "dequantize_rows: acc must be a contiguous float32 [rows, n] tensor");
-  const int64_t rows = acc.size(0), n = acc.size(1);
-  TORCH_CHECK(scale.numel() == rows && scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
-                  zero_point.numel() == rows && zero_point.scalar_type() == at::kInt && zero_point.is_contiguous(),
-              "dequantize_rows: scale (float32) and zero_point (int32) must be [rows]");
-  TORCH_CHECK(wsum.numel() == n && wsum.scalar_type() == at::kFloat && wsum.is_contiguous(),
-              "dequantize_rows: wsum must be float32 [n]");
-  TORCH_CHECK(activation >= 0 && activation <= 2, "dequantize_rows: activation must be 0 (none), 1 (gelu), 2 (gelu_tanh)");
-  if (!bias.has_value()) return nullptr;
-  TORCH_CHECK(bias->numel() == n && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
-              "dequantize_rows: bias must be float32 [n]");
-  return bias->data_ptr<float>();
+  return check_terms("dequantize_rows", acc.size(0), acc.size(1), scale, zero_point, wsum, bias, activation);
 }
 
 void dequantize_rows(const at::Tensor& acc, const at::Tensor& scale, const at::Tensor& zero_point,
@@ -181,8 +185,9 @@ at::Tensor int8_pack(const at::Tensor& weight) {
 }
 
 // n and k: the weight's shape, which the padded packing cannot tell (n 17 and 32 pack alike).
-void int8_matmul(const at::Tensor& q, const at::Tensor& packed, int64_t n, int64_t k, const at::Tensor& weight_scale,
-                 int64_t isa, const at::Tensor& out) {
+// int8_matmul's operands checked (its output is the caller's to check).
+void check_matmul(const at::Tensor& q, const at::Tensor& packed, int64_t n, int64_t k, const at::Tensor& weight_scale,
+                  int64_t isa) {
   TORCH_CHECK(n >= 0 && k >= 0, "int8_matmul: n and k (the weight's shape) must be >= 0, got ", n, ", ", k);
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && q.is_contiguous() && q.size(1) == k,
               "int8_matmul: q must be a contiguous uint8 [m, k = ", k, "] tensor, got ", q.scalar_type(), " ",
@@ -191,16 +196,12 @@ void int8_matmul(const at::Tensor& q, const at::Tensor& packed, int64_t n, int64
                   weight_scale.size(0) == n,
               "int8_matmul: weight_scale must be a contiguous float32 [n = ", n, "] tensor, got ",
               weight_scale.scalar_type(), " ", weight_scale.sizes());
-  const int64_t m = q.size(0);
   const std::vector<int64_t> want{int8_gemm::blocks(n), int8_gemm::groups(k), int8_gemm::kCols, int8_gemm::kGroup};
   TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.sizes() == at::IntArrayRef(want),
               "int8_matmul: packed must be int8_pack's output for an [n, k] = [", n, ", ", k, "] weight: int8 ",
               at::IntArrayRef(want), ", got ", packed.scalar_type(), " ", packed.sizes());
   TORCH_CHECK(k <= int8_gemm::kMaxK, "int8_matmul: k = ", k, " is longer than ", int8_gemm::kMaxK,
               ", where int32 sums of u8 x s8 products could overflow");
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.sizes() == at::IntArrayRef({m, n}),
-              "int8_matmul: out must be a contiguous float32 [", m, ", ", n, "] tensor, got ", out.scalar_type(), " ",
-              out.sizes());
   TORCH_CHECK(isa >= int8_gemm::kBest && isa <= int8_gemm::kLastIsa,
               "int8_matmul: isa must be 0 (best available), 1 (portable C++), 2 (AVX-VNNI), 3 (AVX512-VNNI) or 4 "
               "(AVX2 without VNNI), got ", isa);
@@ -213,9 +214,64 @@ void int8_matmul(const at::Tensor& q, const at::Tensor& packed, int64_t n, int64
               int8_gemm::isa_name(isa), ") needs an x86-64 CPU with ", int8_gemm::isa_features(isa),
               "; fastbert was built for another architecture (only isa 1, portable C++, runs here)");
 #endif
-  const int8_gemm::Problem problem{q.data_ptr<uint8_t>(), packed.data_ptr<int8_t>(), weight_scale.data_ptr<float>(),
-                                   out.data_ptr<float>(), m, n, k, int8_gemm::groups(k) * int8_gemm::kBlockBytes};
-  int8_gemm::matmul(problem, isa);
+}
+
+int8_gemm::Problem problem_of(const at::Tensor& q, const at::Tensor& packed, int64_t n, int64_t k,
+                              const at::Tensor& weight_scale, float* out) {
+  return {q.data_ptr<uint8_t>(), packed.data_ptr<int8_t>(), weight_scale.data_ptr<float>(), out, q.size(0), n, k,
+          int8_gemm::groups(k) * int8_gemm::kBlockBytes};
+}
+
+void int8_matmul(const at::Tensor& q, const at::Tensor& packed, int64_t n, int64_t k, const at::Tensor& weight_scale,
+                 int64_t isa, const at::Tensor& out) {
+  check_matmul(q, packed, n, k, weight_scale, isa);
+  const int64_t m = q.size(0);
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.sizes() == at::IntArrayRef({m, n}),
+              "int8_matmul: out must be a contiguous float32 [", m, ", ", n, "] tensor, got ", out.scalar_type(), " ",
+              out.sizes());
+  int8_gemm::matmul(problem_of(q, packed, n, k, weight_scale, out.data_ptr<float>()), isa);
+}
+
+// dequantize_rows' terms, applied to int8_matmul_dequantize's tiles.
+template <typename T>
+struct Dequantize {
+  const float *scale, *wsum, *bias;
+  const int32_t* zero_point;
+  int64_t activation, n;
+  T* out;
+
+  static void apply(const void* context, int64_t row, int64_t rows, int64_t col0, int64_t cols, const float* tile,
+                    int64_t ld) {
+    const auto& e = *static_cast<const Dequantize*>(context);
+    for (int64_t r = row; r < row + rows; ++r)
+      dequantize_row(tile + (r - row) * ld, e.scale[r], e.zero_point[r], e.wsum + col0,
+                     e.bias == nullptr ? nullptr : e.bias + col0, e.activation, e.out + r * e.n + col0, cols);
+  }
+};
+
+// int8_matmul, then dequantize_rows of its result, tile by tile while the tile is in L1: the same float
+// steps on each element, without writing or reading the float32 product.
+void int8_matmul_dequantize(const at::Tensor& q, const at::Tensor& packed, int64_t n, int64_t k,
+                            const at::Tensor& weight_scale, const at::Tensor& scale, const at::Tensor& zero_point,
+                            const at::Tensor& wsum, const std::optional<at::Tensor>& bias, int64_t activation,
+                            int64_t isa, const at::Tensor& out) {
+  check_matmul(q, packed, n, k, weight_scale, isa);
+  const int64_t m = q.size(0);
+  const float* b = check_terms("int8_matmul_dequantize", m, n, scale, zero_point, wsum, bias, activation);
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == at::IntArrayRef({m, n}) &&
+                  (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
+              "int8_matmul_dequantize: out must be a contiguous float32 or bfloat16 [", m, ", ", n, "] tensor, got ",
+              out.scalar_type(), " ", out.sizes());
+  auto run = [&](auto* out_ptr) {
+    using T = std::remove_pointer_t<decltype(out_ptr)>;
+    const Dequantize<T> terms{scale.data_ptr<float>(), wsum.data_ptr<float>(), b, zero_point.data_ptr<int32_t>(),
+                              activation, n, out_ptr};
+    int8_gemm::Problem problem = problem_of(q, packed, n, k, weight_scale, nullptr);
+    problem.epilogue = {&Dequantize<T>::apply, &terms};
+    int8_gemm::matmul(problem, isa);
+  };
+  if (out.scalar_type() == at::kFloat) run(out.data_ptr<float>());
+  else run(out.data_ptr<at::BFloat16>());
 }
 
 bool int8_isa_supported(int64_t isa) {
@@ -233,6 +289,7 @@ TORCH_LIBRARY_IMPL(fastbert_C, CompositeExplicitAutograd, m) {
 TORCH_LIBRARY_IMPL(fastbert_C, CPU, m) {
   m.impl("int8_pack", &fastbert::int8_pack);
   m.impl("int8_matmul", &fastbert::int8_matmul);
+  m.impl("int8_matmul_dequantize", &fastbert::int8_matmul_dequantize);
   m.impl("quantize_rows", &fastbert::quantize_rows);
   m.impl("quantize_tensor", &fastbert::quantize_tensor);
   m.impl("dequantize_rows", &fastbert::dequantize_rows);

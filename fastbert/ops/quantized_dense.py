@@ -107,9 +107,12 @@ class Int8Gemm(NamedTuple):
     """The u8 x s8 GEMM step of the cpu kernel, from oneDNN (ONEDNN_GEMM) or fastbert._C (own_gemm_step).
     `pack(weight, prepared, rows)`: the weight in the GEMM's form, made once per call (kept in `prepared`);
     `run(q, packed, weight_scale)`: float32 [rows, N] = weight_scale x float(q @ weight^T) for q uint8
-    [rows, K], the integer sums exact (x's scale 1 and zero point 0: the epilogue applies each row's)."""
+    [rows, K], the integer sums exact (x's scale 1 and zero point 0: the epilogue applies each row's);
+    `dequantize(q, packed, weight_scale, scale, zero_point, wsum, bias, activation, out)`, where the GEMM
+    has it: run and dequantize_rows in one, each tile dequantized while in cache (None: two steps)."""
     pack: Callable
     run: Callable
+    dequantize: Callable | None = None
 
 
 def _onednn_pack(weight, prepared, rows):
@@ -166,6 +169,12 @@ def _own_run(q, packed, weight_scale, isa):
     return out
 
 
+def _own_dequantize(q, packed, weight_scale, scale, zero_point, wsum, bias, activation, out, isa):
+    packed, n, k = packed
+    torch.ops.fastbert_C.int8_matmul_dequantize(q, packed, n, k, weight_scale.contiguous(), scale, zero_point, wsum,
+                                                bias, activation, isa, out)
+
+
 ISAS = {"best": 0, "portable": 1, "avx_vnni": 2, "avx512_vnni": 3, "avx2": 4}  # int8_matmul's isa codes
 
 
@@ -175,7 +184,7 @@ def own_gemm_step(isa: int = 0) -> Int8Gemm:
     oneDNN's quantized ops. `isa` as ISAS: 0 picks the best this CPU has; forcing one it lacks raises."""
     from fastbert import _C  # noqa: F401  (defines torch.ops.fastbert_C; own_gemm may run before dispatch loads it)
 
-    return Int8Gemm(_own_pack, functools.partial(_own_run, isa=isa))
+    return Int8Gemm(_own_pack, functools.partial(_own_run, isa=isa), functools.partial(_own_dequantize, isa=isa))
 
 
 def own_gemm(q, weight, weight_scale, prepared: PreparedWeights | None, isa: int = 0) -> torch.Tensor:
@@ -221,6 +230,9 @@ def _cpu(x, weight, weight_scale, bias, epilogue, prepared, quantize_output, inp
                             _alloc.empty((m,), dtype=torch.int32, device=device), dtype)
     else:
         out = _alloc.empty((m, n), dtype=dtype, device=device)
+        if gemm.dequantize is not None:  # no float32 product: each tile is dequantized in cache
+            gemm.dequantize(q, packed, weight_scale, scale, zero_point, wsum, bias, code, out)
+            return out.view(*lead, n)
     # Blocks of rows, so that the GEMM's float32 block is still in cache when the epilogue reads it.
     step = rows_per_block(n)
     for r0 in range(0, m, step):

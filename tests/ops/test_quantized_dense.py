@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fastbert import dispatch, ops
-from fastbert.ops import _onednn, reference
+from fastbert.ops import _alloc, _onednn, reference
 from fastbert.ops.dense import EPILOGUES
 from fastbert.ops.prepared import PreparedWeights
 from fastbert.ops.quantized_dense import ONEDNN_GEMM, _cpu, onednn_inexact, own_gemm, own_gemm_step
@@ -218,6 +218,28 @@ def test_own_gemm_is_exact(m, k, n, isa_name, isa):
     want = exact_gemm(q, weight, weight_scale)
     diff = (out - want).abs().nan_to_num(float("inf"))
     assert torch.equal(out, want), f"{int((diff > 0).sum())} of {out.numel()} differ, largest {float(diff.max()):.3g}"
+
+
+@pytest.mark.parametrize("isa_name,isa", ISAS, ids=[name for name, _ in ISAS])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("activation", [0, 1, 2], ids=["none", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("m,k,n", [(1, 5, 17), (13, 96, 64), (7, 768, 100), (130, 64, 200)])
+def test_dequantize_in_the_tiles_equals_the_two_steps(m, k, n, activation, dtype, isa_name, isa):
+    """int8_matmul_dequantize gives int8_matmul then dequantize_rows bit for bit (tails of m, n, k too)."""
+    skip_unless_isa(isa)
+    q, weight, weight_scale = int8_operands(m, k, n)
+    scale, zero_point = torch.rand(m) / 10 + 0.01, torch.randint(0, 256, (m,), dtype=torch.int32)
+    wsum = weight.sum(1, dtype=torch.int32).float() * weight_scale
+    packed = torch.ops.fastbert_C.int8_pack(weight)
+    for bias in (torch.randn(n), None):
+        with poison_outputs():
+            want = _alloc.empty((m, n), dtype=dtype, device="cpu")
+            torch.ops.fastbert_C.dequantize_rows(own_gemm(q, weight, weight_scale, None, isa), scale, zero_point, wsum,
+                                                 bias, activation, want)
+            got = _alloc.empty((m, n), dtype=dtype, device="cpu")
+            torch.ops.fastbert_C.int8_matmul_dequantize(q, packed, n, k, weight_scale, scale, zero_point, wsum, bias,
+                                                        activation, isa, got)
+        assert torch.isfinite(got).all() and torch.equal(got, want)
 
 
 def test_int8_pack_layout():
