@@ -132,7 +132,8 @@ sgemm_fn blas_sgemm(bool forward) {
 
 void gemm_nn(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
              int64_t ldc, float alpha, bool accumulate, float* row_max) {
-  // 8 rows x 2 vectors = 16 accumulators: half of AVX-512's 32 registers; AVX2 has 16 in all, so 4 rows.
+  // 8 rows x 2 vectors = 16 accumulators: half of AVX-512's 32 registers; AVX2 has 16 in all, so 4 rows
+  // (the row maxima, touched once per column block, may live in memory there).
   constexpr int kRows = kHalf == 16 ? 8 : 4;
   for_row_blocks<kRows>(M, [&](int64_t i, auto rows) {
     gemm_rows<rows.value>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, alpha, accumulate,

@@ -29,7 +29,7 @@ void quantize(const T* x, uint8_t* q, float* scale, int32_t* zero_point, int64_t
 }
 
 // One row of out = act(scale * (acc - zero_point * wsum) + bias), where acc = weight_scale * (q @ w^T) came
-// from oneDNN and wsum = weight_scale * (w's row sums): the zero point's share of the integer sums.
+// from the u8 x s8 GEMM (oneDNN's, or a tile of the own one) and wsum = weight_scale * (w's row sums): the zero point's share of the integer sums.
 template <typename T>
 void dequantize_row(const float* acc, float scale, int32_t zero_point, const float* wsum, const float* bias,
                     int64_t activation, T* out, int64_t n) {
@@ -185,32 +185,32 @@ at::Tensor int8_pack(const at::Tensor& weight) {
 }
 
 // n and k: the weight's shape, which the padded packing cannot tell (n 17 and 32 pack alike).
-// int8_matmul's operands checked (its output is the caller's to check).
-void check_matmul(const at::Tensor& q, const at::Tensor& packed, int64_t n, int64_t k, const at::Tensor& weight_scale,
-                  int64_t isa) {
-  TORCH_CHECK(n >= 0 && k >= 0, "int8_matmul: n and k (the weight's shape) must be >= 0, got ", n, ", ", k);
+// The operands of int8_matmul (or `op`, which runs it) checked; the output is the caller's to check.
+void check_matmul(const char* op, const at::Tensor& q, const at::Tensor& packed, int64_t n, int64_t k,
+                  const at::Tensor& weight_scale, int64_t isa) {
+  TORCH_CHECK(n >= 0 && k >= 0, op, ": n and k (the weight's shape) must be >= 0, got ", n, ", ", k);
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && q.is_contiguous() && q.size(1) == k,
-              "int8_matmul: q must be a contiguous uint8 [m, k = ", k, "] tensor, got ", q.scalar_type(), " ",
+              op, ": q must be a contiguous uint8 [m, k = ", k, "] tensor, got ", q.scalar_type(), " ",
               q.sizes(), q.is_contiguous() ? "" : " (not contiguous)");
   TORCH_CHECK(weight_scale.dim() == 1 && weight_scale.scalar_type() == at::kFloat && weight_scale.is_contiguous() &&
                   weight_scale.size(0) == n,
-              "int8_matmul: weight_scale must be a contiguous float32 [n = ", n, "] tensor, got ",
+              op, ": weight_scale must be a contiguous float32 [n = ", n, "] tensor, got ",
               weight_scale.scalar_type(), " ", weight_scale.sizes());
   const std::vector<int64_t> want{int8_gemm::blocks(n), int8_gemm::groups(k), int8_gemm::kCols, int8_gemm::kGroup};
   TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.sizes() == at::IntArrayRef(want),
-              "int8_matmul: packed must be int8_pack's output for an [n, k] = [", n, ", ", k, "] weight: int8 ",
+              op, ": packed must be int8_pack's output for an [n, k] = [", n, ", ", k, "] weight: int8 ",
               at::IntArrayRef(want), ", got ", packed.scalar_type(), " ", packed.sizes());
-  TORCH_CHECK(k <= int8_gemm::kMaxK, "int8_matmul: k = ", k, " is longer than ", int8_gemm::kMaxK,
+  TORCH_CHECK(k <= int8_gemm::kMaxK, op, ": k = ", k, " is longer than ", int8_gemm::kMaxK,
               ", where int32 sums of u8 x s8 products could overflow");
   TORCH_CHECK(isa >= int8_gemm::kBest && isa <= int8_gemm::kLastIsa,
-              "int8_matmul: isa must be 0 (best available), 1 (portable C++), 2 (AVX-VNNI), 3 (AVX512-VNNI) or 4 "
+              op, ": isa must be 0 (best available), 1 (portable C++), 2 (AVX-VNNI), 3 (AVX512-VNNI) or 4 "
               "(AVX2 without VNNI), got ", isa);
 #if defined(__x86_64__)
-  TORCH_CHECK(isa == int8_gemm::kBest || int8_gemm::cpu_has(isa), "int8_matmul: isa ", isa, " (",
+  TORCH_CHECK(isa == int8_gemm::kBest || int8_gemm::cpu_has(isa), op, ": isa ", isa, " (",
               int8_gemm::isa_name(isa), ") needs a CPU with ", int8_gemm::isa_features(isa),
               "; this CPU lacks it (isa 0 picks the best it has)");
 #else
-  TORCH_CHECK(isa == int8_gemm::kBest || isa == int8_gemm::kPortable, "int8_matmul: isa ", isa, " (",
+  TORCH_CHECK(isa == int8_gemm::kBest || isa == int8_gemm::kPortable, op, ": isa ", isa, " (",
               int8_gemm::isa_name(isa), ") needs an x86-64 CPU with ", int8_gemm::isa_features(isa),
               "; fastbert was built for another architecture (only isa 1, portable C++, runs here)");
 #endif
@@ -224,7 +224,7 @@ int8_gemm::Problem problem_of(const at::Tensor& q, const at::Tensor& packed, int
 
 void int8_matmul(const at::Tensor& q, const at::Tensor& packed, int64_t n, int64_t k, const at::Tensor& weight_scale,
                  int64_t isa, const at::Tensor& out) {
-  check_matmul(q, packed, n, k, weight_scale, isa);
+  check_matmul("int8_matmul", q, packed, n, k, weight_scale, isa);
   const int64_t m = q.size(0);
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.sizes() == at::IntArrayRef({m, n}),
               "int8_matmul: out must be a contiguous float32 [", m, ", ", n, "] tensor, got ", out.scalar_type(), " ",
@@ -255,7 +255,7 @@ void int8_matmul_dequantize(const at::Tensor& q, const at::Tensor& packed, int64
                             const at::Tensor& weight_scale, const at::Tensor& scale, const at::Tensor& zero_point,
                             const at::Tensor& wsum, const std::optional<at::Tensor>& bias, int64_t activation,
                             int64_t isa, const at::Tensor& out) {
-  check_matmul(q, packed, n, k, weight_scale, isa);
+  check_matmul("int8_matmul_dequantize", q, packed, n, k, weight_scale, isa);
   const int64_t m = q.size(0);
   const float* b = check_terms("int8_matmul_dequantize", m, n, scale, zero_point, wsum, bias, activation);
   TORCH_CHECK(out.is_contiguous() && out.sizes() == at::IntArrayRef({m, n}) &&

@@ -8,7 +8,7 @@ import torch
 from fastbert import BackendUnavailable, dispatch, ops
 from fastbert.ops import reference
 from fastbert.testing import assert_close, assert_ran, grad_floor, poison_outputs, upcast
-from grids import DTYPES, KERNEL_BACKENDS, skip_unless_runnable
+from grids import DTYPES, KERNEL_BACKENDS, skip_unless_runnable, skip_unless_variant
 from harness import (CPU_DTYPES, SEEDS, Case, OpCheck, Spec, assert_independent, assert_keep_rate, bad_input_test,
                      check_case, check_example, check_parity, check_with_mask, compare_cpu, cpu_keep_mask, cu_seqlens, dtype_id,
                      grid, leaf, needs_cpu_kernels, needs_cuda, opcheck_test, padding_mask, parity_tests, randn,
@@ -349,15 +349,18 @@ def test_across_key_blocks(dtype):
     compare_cpu(VARLEN, [leaf(q, dtype), leaf(k, dtype), leaf(v, dtype), cu_seqlens(lengths), max(lengths)])
 
 
+@pytest.mark.parametrize("blas", ["0", "1"], ids=["micro-kernel", "blas"])
+@pytest.mark.parametrize("variant", ["fastbert", "brgemm"])
 @pytest.mark.parametrize("dtype", CPU_DTYPES, ids=dtype_id)
-def test_cpu_nan_key_gives_nan_not_zeros(dtype):
-    """A NaN in one key reaches every query of its (sequence, head) as NaN: the row maximum must not
-    drop it and take the row for all padding, which would give zeros."""
-    if dispatch.machine_reasons("cpu"):
-        pytest.skip("; ".join(dispatch.machine_reasons("cpu")))
+def test_cpu_nan_key_gives_nan_not_zeros(dtype, variant, blas, monkeypatch):
+    """A NaN in one key reaches every query of its (sequence, head) as NaN: the row maximum (taken by the
+    score product, by brgemm's scaling pass or by a pass of its own) must not drop it and take the row for
+    all padding, which would give zeros."""
+    skip_unless_variant("attention", variant, dtype)
+    monkeypatch.setenv("FASTBERT_CPU_BLAS", blas)
     q, k, v = (torch.randn(2, 2, 40, 64).to(dtype) for _ in range(3))
     k[0, 1, 17, 5] = float("nan")
-    with dispatch.use_backend("cpu", op="attention"):
+    with dispatch.use_backend("cpu", op="attention"), dispatch.use_variant("attention", variant):
         out = ops.attention(q, k, v)
     assert bool(out[0, 1].isnan().all()), f"{int(out[0, 1].isnan().sum())} of {out[0, 1].numel()} outputs are NaN"
     assert bool(out[0, 0].isfinite().all() and out[1].isfinite().all())

@@ -13,7 +13,7 @@ from grids import skip_unless_runnable, skip_unless_variant
 
 SHAPES = [((1, 7), 5, "none", "none"), ((13, 97), 64, "gelu", "none"), ((2, 9, 768), 3072, "gelu", "tanh"),
           ((33, 3072), 768, "none", "none"), ((4, 1, 128), 384, "none", "none"),
-          ((100, 64), 3072, "gelu", "tanh")]  # several row blocks (rows_per_block)
+          ((100, 64), 3072, "gelu", "tanh")]  # several row blocks (rows_per_block) where the GEMM is oneDNN's
 
 
 def layer(n, k, bias=True):
@@ -240,6 +240,31 @@ def test_dequantize_in_the_tiles_equals_the_two_steps(m, k, n, activation, dtype
             torch.ops.fastbert_C.int8_matmul_dequantize(q, packed, n, k, weight_scale, scale, zero_point, wsum, bias,
                                                         activation, isa, got)
         assert torch.isfinite(got).all() and torch.equal(got, want)
+
+
+def bad_dequantize(scale=None, out=None):
+    """int8_matmul_dequantize on a good [3, 8] x [5, 8] problem with the row scale or the output replaced."""
+    q, packed = torch.zeros(3, 8, dtype=torch.uint8), torch.ops.fastbert_C.int8_pack(torch.zeros(5, 8, dtype=torch.int8))
+    scale = torch.ones(3) if scale is None else scale
+    out = torch.empty(3, 5) if out is None else out
+    torch.ops.fastbert_C.int8_matmul_dequantize(q, packed, 5, 8, torch.ones(5), scale, torch.zeros(3, dtype=torch.int32),
+                                                torch.zeros(5), None, 0, 0, out)
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: bad_dequantize(out=torch.empty(3, 5, dtype=torch.float64)),
+     "int8_matmul_dequantize: out must be a contiguous float32 or bfloat16 \\[3, 5\\]"),
+    (lambda: bad_dequantize(out=torch.empty(5, 3).T), "int8_matmul_dequantize: out must be a contiguous"),
+    (lambda: bad_dequantize(scale=torch.ones(4)), "int8_matmul_dequantize: scale \\(float32\\) and zero_point"),
+    (lambda: torch.ops.fastbert_C.int8_matmul_dequantize(
+        torch.zeros(3, 7, dtype=torch.uint8), torch.ops.fastbert_C.int8_pack(torch.zeros(5, 8, dtype=torch.int8)), 5, 8,
+        torch.ones(5), torch.ones(3), torch.zeros(3, dtype=torch.int32), torch.zeros(5), None, 0, 0, torch.empty(3, 5)),
+     "int8_matmul_dequantize: q must be a contiguous uint8 \\[m, k = 8\\]"),
+])
+def test_dequantize_in_the_tiles_bad_input_is_named(call, message):
+    skip_unless_isa(1)
+    with pytest.raises(RuntimeError, match=message):
+        call()
 
 
 def test_int8_pack_layout():
