@@ -54,6 +54,11 @@ void for_row_blocks(int64_t M, const F& f) {
   }
 }
 
+// The running maximum `acc` with the first m lanes of x (the rest count as -inf); a NaN stays NaN.
+inline VecF max_of_lanes(const VecF& acc, const VecF& x, int64_t m) {
+  return at::vec::maximum(acc, m >= kHalf ? x : VecF::set(VecF(-kInf), x, std::max<int64_t>(m, 0)));
+}
+
 // C[M x N] = beta * C + alpha * A[M x K] @ B[K x N]; all row-major fp32; beta is 0 or 1.
 // Register block: R rows of A x 2 vectors of B's columns. `row_max` (or null): each row's maximum of C,
 // NaN if it holds one, as dot_rows takes it.
@@ -96,9 +101,7 @@ void gemm_rows(int64_t N, int64_t K, const float* A, int64_t lda, const float* B
         c1 = c1 + o1;
       }
       store2(C + r * ldc + j, m, c0, c1);
-      if (row_max != nullptr)  // lanes past N count as -inf
-        vmax[r] = at::vec::maximum(vmax[r], at::vec::maximum(VecF::set(VecF(-kInf), c0, std::min(m, kHalf)),
-                                                             VecF::set(VecF(-kInf), c1, std::max<int64_t>(m - kHalf, 0))));
+      if (row_max != nullptr) vmax[r] = max_of_lanes(max_of_lanes(vmax[r], c0, m), c1, m - kHalf);
     }
   }
   if (row_max != nullptr)
@@ -413,11 +416,14 @@ void pairs_along_rows(const c10::BFloat16* x, int64_t ld, int64_t rows, int64_t 
   }
 }
 
+// n rounded up to even: the width of rows of whole bfloat16 pairs.
+inline int64_t pair_width(int64_t n) { return (n + 1) / 2 * 2; }
+
 // X [rows x cols] fp32 (row stride ld) * scale -> out [rows x width] bfloat16, width = cols rounded up to
 // even (a zero in the odd last column): rows of whole pairs, a product's left operand. Returns width.
 int64_t round_to_pairs(const float* x, int64_t ld, int64_t rows, int64_t cols, float scale,
                        std::vector<c10::BFloat16>& out) {
-  const int64_t width = (cols + 1) / 2 * 2;
+  const int64_t width = pair_width(cols);
   out.resize(std::max<size_t>(out.size(), (size_t)(rows * width)));
   for (int64_t r = 0; r < rows; ++r) {
     c10::BFloat16* row = out.data() + r * width;
@@ -458,12 +464,12 @@ struct Bf16Products {
   }
   // P as the softmax writes it: bfloat16 rows of whole pairs (width nk rounded up to even), P V's left operand.
   c10::BFloat16* probabilities(int64_t nq, int64_t nk, float* /*S*/, int64_t& ld) {
-    ld = (nk + 1) / 2 * 2;
+    ld = pair_width(nk);
     pb.resize(std::max<size_t>(pb.size(), (size_t)(nq * ld)));
     return pb.data();
   }
   void accumulate(int64_t nq, int64_t kb, int64_t nk, float* O) {
-    const int64_t width = (nk + 1) / 2 * 2;
+    const int64_t width = pair_width(nk);
     dot(nq, d, width / 2, pb.data(), width, vp.data() + kb / 2 * d, d, O, d, 1.f, true);
   }
 };
@@ -484,14 +490,14 @@ struct BrgemmProducts : Bf16Products {
       for_vectors(nk, [&](int64_t j, int64_t m) {
         const VecF x = VecF::loadu(S + r * nk + j, m) * s;
         x.store(S + r * nk + j, m);
-        vmax = at::vec::maximum(vmax, m < kHalf ? VecF::set(VecF(-kInf), x, m) : x);
+        vmax = max_of_lanes(vmax, x, m);
       });
       row_max[r] = reduce_max(vmax);
     }
     return true;
   }
   void accumulate(int64_t nq, int64_t kb, int64_t nk, float* O) {
-    const int64_t width = (nk + 1) / 2 * 2;
+    const int64_t width = pair_width(nk);
     at::native::cpublas::brgemm(nq, d, width, width, d, d, true, pb.data(),
                                 reinterpret_cast<const c10::BFloat16*>(vp.data() + kb / 2 * d), O, true);
   }
@@ -603,7 +609,7 @@ void forward_with(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   x = x + VecF::loadu(bias.data() + kb + j, m);
                   x.store(s + j, m);
                 }
-                vmax = at::vec::maximum(vmax, m < kHalf ? VecF::set(VecF(-kInf), x, m) : x);
+                vmax = max_of_lanes(vmax, x, m);
               });
               top = reduce_max(vmax);
             }
