@@ -203,6 +203,21 @@ def test_static_needs_calibration_and_saves_its_scales(tmp_path):
         assert torch.equal(model(ids).last_hidden_state, loaded(ids).last_hidden_state)
 
 
+@pytest.mark.parametrize("mode", ["dynamic", "static"])
+def test_compiled_int8_model_runs_its_gemms_eagerly_and_equals_eager(mode):
+    """The bug this pins: without fullgraph, Dynamo compiled the frames that quantized_dense called (its raise
+    only broke the graph), and inductor failed on oneDNN's qlinear with a bare AssertionError."""
+    torch._dynamo.reset()
+    calibration = [torch.randint(5, 500, (2, 16)) for _ in range(2)] if mode == "static" else None
+    model = fastbert.quantize(fastbert.BertModel(small_config()).eval(), mode, calibration=calibration)
+    compiled = torch.compile(model, dynamic=False)
+    ids = torch.randint(5, 500, (2, 9))
+    with torch.no_grad():
+        eager = model(ids).last_hidden_state
+        for _ in range(2):
+            assert torch.equal(compiled(ids).last_hidden_state, eager)
+
+
 def test_compile_says_int8_runs_eagerly():
     model = fastbert.quantize(fastbert.BertModel(small_config()))
     compiled = torch.compile(model, backend="eager", fullgraph=True)

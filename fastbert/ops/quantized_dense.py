@@ -17,6 +17,7 @@ from fastbert.ops.prepared import PreparedWeights
 from fastbert.ops.reference import QuantizedRows
 
 
+@torch.compiler.disable(reason="int8 models run eagerly: torch.compile of quantized_dense is not supported yet")
 def quantized_dense(x, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
                     activation: str = "none", approximate: str = "none", prepared: PreparedWeights | None = None,
                     quantize_output: bool = False, input_scale: torch.Tensor | None = None,
@@ -28,8 +29,6 @@ def quantized_dense(x, weight: torch.Tensor, weight_scale: torch.Tensor, bias: t
     PreparedWeights, where kernels keep the packed weight. `input_scale` (float32, 0-dim) and
     `input_zero_point` (int32, 0-dim): static quantization, x quantized with this calibrated range
     instead of each row's own (then bias and GELU run inside oneDNN's GEMM)."""
-    if torch.compiler.is_compiling():
-        raise NotImplementedError("int8 models run eagerly: torch.compile of quantized_dense is not supported yet")
     if isinstance(x, QuantizedRows):
         _check_rows(x)
         tensors = (x.values, weight, x.scale)
