@@ -17,7 +17,19 @@ from fastbert.ops.prepared import PreparedWeights
 from fastbert.ops.reference import QuantizedRows
 
 
-@torch.compiler.disable(reason="int8 models run eagerly: torch.compile of quantized_dense is not supported yet")
+EAGER_ONLY = "int8 models run eagerly: torch.compile of quantized_dense is not supported yet"
+
+
+def _run_eagerly(fn):
+    """Dynamo never traces `fn` or what it calls: a compiled int8 model runs its int8 GEMMs eagerly (a graph
+    break around each), and fullgraph=True fails naming EAGER_ONLY. torch before 2.8 takes no reason."""
+    try:
+        return torch.compiler.disable(fn, reason=EAGER_ONLY)
+    except TypeError:
+        return torch.compiler.disable(fn)
+
+
+@_run_eagerly
 def quantized_dense(x, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
                     activation: str = "none", approximate: str = "none", prepared: PreparedWeights | None = None,
                     quantize_output: bool = False, input_scale: torch.Tensor | None = None,
@@ -29,6 +41,8 @@ def quantized_dense(x, weight: torch.Tensor, weight_scale: torch.Tensor, bias: t
     PreparedWeights, where kernels keep the packed weight. `input_scale` (float32, 0-dim) and
     `input_zero_point` (int32, 0-dim): static quantization, x quantized with this calibrated range
     instead of each row's own (then bias and GELU run inside oneDNN's GEMM)."""
+    if torch.compiler.is_compiling():  # tracers that do not honour compiler.disable (torch.export non-strict)
+        raise NotImplementedError(EAGER_ONLY)
     if isinstance(x, QuantizedRows):
         _check_rows(x)
         tensors = (x.values, weight, x.scale)
