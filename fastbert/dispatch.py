@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from fastbert import environment, tuning
-from fastbert.records import Call, muted, note, record  # noqa: F401  (fastbert.dispatch.record() is public)
+from fastbert.records import Call, is_muted, muted, note, record  # noqa: F401  (fastbert.dispatch.record() is public)
 
 logger = logging.getLogger("fastbert")
 
@@ -110,6 +110,7 @@ def register(op: str, backend: str, support: Support, extra_reasons=None):
         _REGISTRY[op][backend] = Impl(fn, support, extra_reasons)
         _VARIANTS.pop((op, backend), None)
         _choices.clear()
+        _generation[0] += 1
         return fn
 
     return wrap
@@ -136,6 +137,7 @@ def scratch_registry():
         _choices.clear()
         _picked.clear()
         _logged.clear()
+        _generation[0] += 1
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -359,13 +361,151 @@ def prefers_varlen(x: torch.Tensor, head_dim: int, dropout_p: float) -> bool:
 
 def call(op: str, inputs: dict, *args, **kwargs):
     """Select a backend for `op` (and of its variants, where it has several), run it, and record the choice."""
+    plan = getattr(_local, "plan", None)
+    if plan is not None and plan.replaying:  # the op's trusted() matched this call to the plan's
+        fn, backend, skipped, variant = plan.next_call()
+        note(op, backend, skipped, variant)
+        return fn(*args, **kwargs)
     backend, skipped, usable, key = _selection(op, inputs)
     if not usable:
-        note(op, backend, skipped)
-        return _REGISTRY[op][backend].fn(*args, **kwargs)
-    variant = _choose_variant(op, backend, usable, key, args)
-    note(op, backend, skipped, variant.name)
-    return variant.fn(*args, **kwargs)
+        fn, variant = _REGISTRY[op][backend].fn, None
+    else:
+        chosen = _choose_variant(op, backend, usable, key, args)
+        fn, variant = chosen.fn, chosen.name
+    if plan is not None and plan.recording and not is_muted():
+        plan.remember(op, fn, backend, skipped, variant)  # before running it: calls it makes come after
+    note(op, backend, skipped, variant)
+    return fn(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------------
+# Plans: a model's eager inference forward, run again without its checks and choices. The first forward
+# of a kind (Plans.key: shapes, dtypes, flags, settings) runs as usual and remembers each op call's
+# implementation; a later forward of that kind skips the public ops' checks (their inputs have the shapes
+# and dtypes those checks passed) and calls the remembered implementation. At a batch of one the checks
+# and choices cost as much as the kernels (benchmarks/RESULTS.md). Each public op names itself and its
+# flags (`trusted`); where they differ from the plan's, the plan is dropped and the call runs checked.
+
+
+class Plans:
+    """A model's plans by key. Forgotten on any module, parameter or buffer assignment (anywhere), on a
+    change of selections, and when a tensor of the model has other storage (`.to()`, `.data =`)."""
+
+    _epoch = [0]  # bumped by torch's global registration hooks, installed with the first Plans
+    LIMIT = 64  # plans a model keeps
+
+    def __init__(self):
+        self._plans: dict = {}
+        if not Plans._epoch[0]:
+            Plans._epoch[0] = 1
+            for register in (torch.nn.modules.module.register_module_module_registration_hook,
+                             torch.nn.modules.module.register_module_parameter_registration_hook,
+                             torch.nn.modules.module.register_module_buffer_registration_hook):
+                register(Plans._bump)
+
+    @staticmethod
+    def _bump(*_):
+        Plans._epoch[0] += 1
+
+    @staticmethod
+    def key(model, *facts):
+        """The key of a forward of `model` with `facts` (its inputs' shapes, dtypes, flags), or None where
+        no plan serves: training, gradients, autocast, torch.compile or torch.func, forced backends."""
+        if (model.training or torch.is_grad_enabled() or torch.compiler.is_compiling()
+                or torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
+                or torch._C._functorch.peek_interpreter_stack() is not None):
+            return None
+        if _override_stack() or _override_variants() or any(environment.get(v) for v in _FORCING_VARIABLES):
+            return None  # forced: rare, and then every call is checked
+        return facts, tuning.enabled(), _generation[0], len(_choices), len(_picked), Plans._epoch[0]
+
+    def run(self, model, key):
+        """Context for the forward under `key`: replays its plan, or records one (key None: neither)."""
+        if key is None:
+            return contextlib.nullcontext()
+        plan = self._plans.get(key)
+        if plan is _UNPLANNABLE:
+            return contextlib.nullcontext()
+        if plan is not None and plan.storage == tuple(t.data_ptr() for t in plan.tensors):
+            return _Running(plan, self._plans, key)
+        tensors = tuple(model.state_dict(keep_vars=True).values())
+        return _Running(_Plan(tensors), self._plans, key, recording=True)
+
+    def clear(self) -> None:
+        self._plans.clear()
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def __deepcopy__(self, memo):
+        return Plans()  # a copy's tensors are others
+
+    def __reduce__(self):
+        return (Plans, ())
+
+
+_FORCING_VARIABLES = ("FASTBERT_BACKEND", *(v for op in OPS
+                                             for v in (_BACKEND_VARIABLES[op][0], _VARIANT_VARIABLE[op])))
+_generation = [0]  # bumped whenever the registry changes
+_UNPLANNABLE = object()  # a key whose forward makes a call that no op named (then it always runs checked)
+
+
+class _Plan:
+    def __init__(self, tensors):
+        self.calls: list[tuple] = []  # (op and flags, fn, backend, skipped, variant)
+        self.tensors = tensors  # the model's parameters and buffers, and where each lived when recorded
+        self.storage = tuple(t.data_ptr() for t in tensors)
+
+
+class _Running:
+    """One forward's use of a plan on this thread: replaying it, or recording it (kept on success)."""
+
+    def __init__(self, plan: _Plan, plans: dict, key, recording: bool = False):
+        self.plan, self.plans, self.key, self.recording = plan, plans, key, recording
+        self.replaying, self.position, self.signature, self.broken = not recording, 0, None, False
+
+    def __enter__(self):
+        self.outer = getattr(_local, "plan", None)
+        _local.plan = self
+        return self
+
+    def __exit__(self, kind, *_):
+        _local.plan = self.outer
+        if kind is None and self.recording:
+            if len(self.plans) >= Plans.LIMIT:  # the oldest goes: ragged batches make a key per token count
+                del self.plans[next(iter(self.plans))]
+            self.plans[self.key] = _UNPLANNABLE if self.broken else self.plan
+
+    def trusted(self, signature: tuple) -> bool:
+        if self.recording:
+            if not is_muted():  # a variant's trial run (tuning) is no part of the forward
+                self.signature = signature
+            return False
+        calls = self.plan.calls
+        if self.replaying and self.position < len(calls) and calls[self.position][0] == signature:
+            return True
+        if self.replaying:  # this forward goes another way: the rest runs checked, and the plan is dropped
+            self.replaying = False
+            self.plans.pop(self.key, None)
+        return False
+
+    def next_call(self) -> tuple:
+        call = self.plan.calls[self.position]
+        self.position += 1
+        return call[1:]
+
+    def remember(self, op, fn, backend, skipped, variant) -> None:
+        if self.signature is None or self.signature[0] != op:
+            self.broken = True  # a call whose op did not name itself: such a forward is never replayed
+        self.plan.calls.append((self.signature, fn, backend, skipped, variant))
+        self.signature = None
+
+
+def trusted(op: str, *flags) -> bool:
+    """Whether this call of public op `op` may skip its checks: a plan is replaying and its next call is
+    `op` with these `flags` (the non-tensor arguments that steer the op's checks and choices)."""
+    plan = getattr(_local, "plan", None)
+    return plan is not None and plan.trusted((op, *flags))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -401,6 +541,7 @@ def register_variants(op: str, backend: str, options, bucket) -> None:
     _VARIANTS[(op, backend)] = Variants(tuple(options), bucket)
     _choices.clear()
     _picked.clear()
+    _generation[0] += 1
 
 
 def size_class(n: int) -> int:

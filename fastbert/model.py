@@ -278,12 +278,13 @@ class BertPreTrainedModel(nn.Module):
         return {t: s for t, s in self._tied_weights_keys.items() if self.get_parameter(t) is self.get_parameter(s)}
 
     def clear_prepared_weights(self) -> None:
-        """Forget every prepared (stacked, packed) weight: after writing parameters through `.data`, which
-        the version counter does not see. Moves (.to(), .cuda(), dtype changes) do it themselves."""
+        """Forget every prepared (stacked, packed) weight and inference plan: after writing parameters
+        through `.data`, which the version counter does not see. Moves (.to(), .cuda(), dtype changes) do
+        it themselves."""
         for module in self.modules():
-            prepared = getattr(module, "prepared", None)
-            if isinstance(prepared, ops.PreparedWeights):
-                prepared.clear()
+            for kept in (getattr(module, "prepared", None), getattr(module, "plans", None)):
+                if isinstance(kept, (ops.PreparedWeights, dispatch.Plans)):
+                    kept.clear()
 
     def _apply(self, fn, *args, **kwargs):
         self.clear_prepared_weights()  # a stale entry would keep the old storage alive until its next call
@@ -321,6 +322,7 @@ class BertModel(BertPreTrainedModel):
         self.embeddings = BertEmbeddings(config)
         self.encoder = BertEncoder(config)
         self.pooler = BertPooler(config) if add_pooling_layer else None
+        self.plans = dispatch.Plans()  # eager inference forwards, replayed without their checks (dispatch.py)
         self.init_weights()
 
     def check_inputs(self, input_ids, attention_mask, token_type_ids, position_ids) -> None:
@@ -387,8 +389,13 @@ class BertModel(BertPreTrainedModel):
         if attention_mask is not None and allow_unpadding and not output_attentions and self.padding_free(x, attention_mask):
             packing = padding.packing(attention_mask)
             x = padding.unpad(x, packing)  # [T, H]: pad tokens never enter the encoder
-        x, hidden_states, attentions = self.encoder(x, attention_mask, output_hidden_states, output_attentions, packing)
-        pooled = self.pooler(x) if self.pooler is not None else None
+        # The inputs were checked above; what the ops inside would check follows from these facts.
+        key = dispatch.Plans.key(self, tuple(x.shape), x.dtype, x.device, None if attention_mask is None else (
+            tuple(attention_mask.shape), packing is not None), output_hidden_states, output_attentions)
+        with self.plans.run(self, key):
+            x, hidden_states, attentions = self.encoder(x, attention_mask, output_hidden_states, output_attentions,
+                                                        packing)
+            pooled = self.pooler(x) if self.pooler is not None else None
         out = BertModelOutput(
             last_hidden_state=x,
             pooler_output=pooled,

@@ -60,9 +60,13 @@ def muted():
         _local.muted = before
 
 
+def is_muted() -> bool:
+    return getattr(_local, "muted", False)
+
+
 def note(op: str, backend: str, skipped: dict[str, list[str]] | None = None, variant: str | None = None) -> None:
     """Record that `backend` (its `variant`) ran `op` (backward passes note `op + '.backward'`)."""
-    if not _active_records or torch.compiler.is_compiling() or getattr(_local, "muted", False):
+    if not _active_records or torch.compiler.is_compiling() or is_muted():
         return
     call = Call(op, backend, skipped, variant)
     with _records_lock:

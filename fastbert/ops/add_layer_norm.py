@@ -15,24 +15,25 @@ def add_layer_norm(x, residual, weight, bias, eps: float, dropout_p: float = 0.0
     """x, residual [..., N]; weight, bias [N]. Statistics over the last dimension. `quantize_output`
     (inference, int8 models): returns (out, out as QuantizedRows), the rows quantized while the kernel
     still holds them, for the quantized_dense that reads them next."""
-    _checks.tensor("x", x, (1, 2, 3))
-    _checks.tensor("residual", residual, (1, 2, 3))
-    _checks.tensor("weight", weight, (1,))
-    _checks.tensor("bias", bias, (1,))
-    _checks.same_dtype_device(x=x, residual=residual, weight=weight, bias=bias)
-    _checks.shape("residual", residual, x.shape, "the shape of x")
-    _checks.shape("weight", weight, (x.shape[-1],), "x's last dimension")
-    _checks.shape("bias", bias, (x.shape[-1],), "x's last dimension")
-    if not eps > 0:
-        raise ValueError(f"eps must be positive, got {eps}")
-    _checks.probability("dropout_p", dropout_p)
-    if quantize_output:
-        if torch.compiler.is_compiling():
-            raise NotImplementedError("int8 models run eagerly: torch.compile of add_layer_norm's quantize_output "
-                                      "is not supported yet")
-        if dropout_p > 0 or needs_grad(x, residual, weight, bias):
-            raise ValueError("quantize_output is for inference: it needs dropout_p == 0 and no gradient "
-                             "(run under torch.no_grad() or torch.inference_mode())")
+    if not dispatch.trusted("add_layer_norm", eps, dropout_p, quantize_output):
+        _checks.tensor("x", x, (1, 2, 3))
+        _checks.tensor("residual", residual, (1, 2, 3))
+        _checks.tensor("weight", weight, (1,))
+        _checks.tensor("bias", bias, (1,))
+        _checks.same_dtype_device(x=x, residual=residual, weight=weight, bias=bias)
+        _checks.shape("residual", residual, x.shape, "the shape of x")
+        _checks.shape("weight", weight, (x.shape[-1],), "x's last dimension")
+        _checks.shape("bias", bias, (x.shape[-1],), "x's last dimension")
+        if not eps > 0:
+            raise ValueError(f"eps must be positive, got {eps}")
+        _checks.probability("dropout_p", dropout_p)
+        if quantize_output:
+            if torch.compiler.is_compiling():
+                raise NotImplementedError("int8 models run eagerly: torch.compile of add_layer_norm's quantize_output "
+                                          "is not supported yet")
+            if dropout_p > 0 or needs_grad(x, residual, weight, bias):
+                raise ValueError("quantize_output is for inference: it needs dropout_p == 0 and no gradient "
+                                 "(run under torch.no_grad() or torch.inference_mode())")
     inputs = {"tensors": (x, residual, weight, bias), "dropout_p": dropout_p, "quantize_output": quantize_output}
     return dispatch.call("add_layer_norm", inputs, x, residual, weight, bias, float(eps), float(dropout_p),
                          bool(quantize_output))

@@ -18,10 +18,12 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     """x [..., K], weight [N, K], bias [N] or None -> [..., N]; activation "none" | "gelu", GELU's form
     `approximate` "none" (erf) | "tanh", as in bias_gelu and torch's F.gelu.
     `prepared`: the PreparedWeights of the module that owns `weight`, where kernels may keep a packed copy."""
-    _checks.tensor("x", x, (1, 2, 3, 4))
-    _checks.tensor("weight", weight, (2,))
-    _checks.same_dtype_device(x=x, weight=weight, bias=bias)
-    epilogue = linear_checks(x, weight, bias, activation, approximate, prepared)
+    if not dispatch.trusted("dense", activation, approximate, bias is None):
+        _checks.tensor("x", x, (1, 2, 3, 4))
+        _checks.tensor("weight", weight, (2,))
+        _checks.same_dtype_device(x=x, weight=weight, bias=bias)
+        linear_checks(x, weight, bias, activation, approximate, prepared)
+    epilogue = EPILOGUES[activation, approximate]
     inputs = {"tensors": (x, weight, bias), "gelu": epilogue != "none" and bias is not None}
     return dispatch.call("dense", inputs, x, weight, bias, epilogue, prepared)
 
@@ -30,9 +32,8 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
 EPILOGUES = {("none", "none"): "none", ("gelu", "none"): "gelu", ("gelu", "tanh"): "gelu_tanh"}
 
 
-def linear_checks(x, weight, bias, activation, approximate, prepared) -> str:
-    """The checks every linear op shares (dense, quantized_dense) past its tensors' own; returns the
-    epilogue's code."""
+def linear_checks(x, weight, bias, activation, approximate, prepared) -> None:
+    """The checks every linear op shares (dense, quantized_dense) past its tensors' own."""
     if weight.shape[1] != x.shape[-1]:
         raise ValueError(f"weight must have shape [N, {x.shape[-1]}] (x's last dimension), got {tuple(weight.shape)}")
     if bias is not None:
@@ -46,7 +47,6 @@ def linear_checks(x, weight, bias, activation, approximate, prepared) -> str:
         raise ValueError(f"approximate={approximate!r} is GELU's form: it needs activation='gelu'")
     if prepared is not None and not isinstance(prepared, PreparedWeights):
         raise ValueError(f"prepared must be a fastbert.ops.PreparedWeights or None, got {type(prepared).__name__}")
-    return EPILOGUES[activation, approximate]
 
 
 @dispatch.register("dense", "reference", dispatch.Support(("cpu", "cuda"), dispatch.FLOATS))

@@ -16,17 +16,18 @@ def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                    prepared: PreparedWeights | None = None):
     """x [B, S, H] or [T, H]; weight [3H, H] (rows: q, k, v); bias [3H].
     Returns q, k, v, each [B, heads, S, d] (or [T, heads, d]). `prepared`: as for dense."""
-    _checks.tensor("x", x, (2, 3))
-    _checks.tensor("weight", weight, (2,))
-    _checks.same_dtype_device(x=x, weight=weight, bias=bias)
     hidden = x.shape[-1]
-    _checks.shape("weight", weight, (3 * hidden, hidden), "3 x hidden rows for q, k, v; hidden columns")
-    if bias is not None:
-        _checks.shape("bias", bias, (3 * hidden,), "3 x hidden")
-    if not isinstance(num_heads, int) or num_heads <= 0 or hidden % num_heads:
-        raise ValueError(f"num_heads must be a positive divisor of hidden size {hidden}, got {num_heads}")
-    if prepared is not None and not isinstance(prepared, PreparedWeights):
-        raise ValueError(f"prepared must be a fastbert.ops.PreparedWeights or None, got {type(prepared).__name__}")
+    if not dispatch.trusted("qkv_projection", num_heads, bias is None):
+        _checks.tensor("x", x, (2, 3))
+        _checks.tensor("weight", weight, (2,))
+        _checks.same_dtype_device(x=x, weight=weight, bias=bias)
+        _checks.shape("weight", weight, (3 * hidden, hidden), "3 x hidden rows for q, k, v; hidden columns")
+        if bias is not None:
+            _checks.shape("bias", bias, (3 * hidden,), "3 x hidden")
+        if not isinstance(num_heads, int) or num_heads <= 0 or hidden % num_heads:
+            raise ValueError(f"num_heads must be a positive divisor of hidden size {hidden}, got {num_heads}")
+        if prepared is not None and not isinstance(prepared, PreparedWeights):
+            raise ValueError(f"prepared must be a fastbert.ops.PreparedWeights or None, got {type(prepared).__name__}")
     inputs = {"tensors": (x, weight, bias), "head_dim": hidden // num_heads}
     return dispatch.call("qkv_projection", inputs, x, weight, bias, num_heads, prepared)
 

@@ -43,12 +43,25 @@ def quantized_dense(x, weight: torch.Tensor, weight_scale: torch.Tensor, bias: t
     instead of each row's own (then bias and GELU run inside oneDNN's GEMM)."""
     if torch.compiler.is_compiling():  # tracers that do not honour compiler.disable (torch.export non-strict)
         raise NotImplementedError(EAGER_ONLY)
+    rows = isinstance(x, QuantizedRows)
+    tensors = (x.values, weight, x.scale) if rows else (x, weight)
+    trusted = dispatch.trusted("quantized_dense", activation, approximate, quantize_output, rows, bias is None,
+                               input_scale is None)
+    if not trusted or input_scale is not None:  # static layers' checks read the calibrated range: every call
+        _checks_of(x, weight, weight_scale, bias, activation, approximate, prepared, quantize_output, input_scale,
+                   input_zero_point)
+    epilogue = EPILOGUES[activation, approximate]
+    return dispatch.call("quantized_dense", {"tensors": tensors}, x, weight, weight_scale, bias, epilogue, prepared,
+                         bool(quantize_output), input_scale, input_zero_point)
+
+
+def _checks_of(x, weight, weight_scale, bias, activation, approximate, prepared, quantize_output, input_scale,
+               input_zero_point) -> None:
+    first = x.values if isinstance(x, QuantizedRows) else x
     if isinstance(x, QuantizedRows):
         _check_rows(x)
-        tensors = (x.values, weight, x.scale)
     else:
         _checks.tensor("x", x, (1, 2, 3, 4))
-        tensors = (x, weight)
     _checks.tensor("weight", weight, (2,), floating=False)
     if weight.dtype != torch.int8:
         raise ValueError(f"weight must be int8 (reference.quantize_weight makes it), got {weight.dtype}")
@@ -58,8 +71,8 @@ def quantized_dense(x, weight: torch.Tensor, weight_scale: torch.Tensor, bias: t
     _checks.shape("weight_scale", weight_scale, (weight.shape[0],), "weight's first dimension")
     for name, t in (("weight", weight), ("weight_scale", weight_scale), ("bias", bias)):
         if t is not None:
-            _checks.same_device(name, t, "x", tensors[0])
-    epilogue = linear_checks(tensors[0], weight, bias, activation, approximate, prepared)
+            _checks.same_device(name, t, "x", first)
+    linear_checks(first, weight, bias, activation, approximate, prepared)
     if (input_scale is None) != (input_zero_point is None):
         raise ValueError("input_scale and input_zero_point come together (static quantization) or not at all")
     if input_scale is not None:
@@ -69,11 +82,9 @@ def quantized_dense(x, weight: torch.Tensor, weight_scale: torch.Tensor, bias: t
             raise ValueError(f"input_scale must be a positive float32 0-dim tensor, got {input_scale!r}")
         if input_zero_point.dtype != torch.int32 or input_zero_point.dim() != 0 or not 0 <= int(input_zero_point) <= 255:
             raise ValueError(f"input_zero_point must be an int32 0-dim tensor in [0, 255], got {input_zero_point!r}")
-    if needs_grad(tensors[0], bias):
+    if needs_grad(first, bias):
         raise ValueError("quantized_dense is for inference: int8 weights have no gradient (run under "
                          "torch.no_grad() or torch.inference_mode(), or train the float model and quantize it after)")
-    return dispatch.call("quantized_dense", {"tensors": tensors}, x, weight, weight_scale, bias, epilogue, prepared,
-                         bool(quantize_output), input_scale, input_zero_point)
 
 
 def _check_rows(x: QuantizedRows) -> None:
