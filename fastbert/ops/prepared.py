@@ -19,12 +19,6 @@ import torch
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def _stamp(t: torch.Tensor) -> tuple:
-    """What must be unchanged for a prepared value to still be t's: its storage (the entry's alias keeps
-    that address from being reused), version, dtype, device, shape and strides."""
-    return t.data_ptr(), t._version, t.dtype, t.device, t.shape, t.stride()
-
-
 class PreparedWeights:
     """name -> (the sources' aliases, their stamps, the prepared value)."""
 
@@ -33,16 +27,24 @@ class PreparedWeights:
 
     def get(self, name: str, sources: tuple[torch.Tensor, ...], make: Callable):
         """`make(*sources)`, remembered under `name` while the sources are unchanged."""
-        if (torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is not None
-                or any(type(s) not in _PLAIN or s.is_inference() for s in sources)):
-            return make(*sources)  # inference tensors carry no version: nothing could tell a change
+        if torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is not None:
+            return make(*sources)
+        # Each source's stamp: what must be unchanged for the value to still be its: storage (the entry's
+        # alias keeps that address from being reused), version, dtype, device, shape and strides. One loop,
+        # no generators: a batch of one asks a few times per layer.
+        stamps = []
+        for s in sources:
+            if type(s) not in _PLAIN or s.is_inference():
+                return make(*sources)  # inference tensors carry no version: nothing could tell a change
+            stamps.append((s.data_ptr(), s._version, s.dtype, s.device, s.shape, s.stride()))
+        stamps = tuple(stamps)
         hit = self._entries.get(name)
-        if hit is not None and hit[1] == tuple(_stamp(s) for s in sources):
+        if hit is not None and hit[1] == stamps:
             return hit[2]
         # Made outside inference mode so the value is an ordinary tensor (with a version) in any mode. The
-        # stamp is taken first: a source written while `make` runs leaves an entry that never matches.
+        # stamps were taken first: a source written while `make` runs leaves an entry that never matches.
         with torch.inference_mode(False), torch.no_grad():
-            aliases, stamps = tuple(s.detach() for s in sources), tuple(_stamp(s) for s in sources)
+            aliases = tuple(s.detach() for s in sources)
             value = make(*sources)
         self._entries[name] = (aliases, stamps, value)  # one dict store: atomic under the GIL
         return value
