@@ -28,7 +28,7 @@ def main(argv=None) -> int:
 
     bench.add_argument("--models", type=names(b.MODELS), default=list(b.MODELS), help="minilm (bundled checkpoint), base")
     bench.add_argument("--dtypes", type=names(tuple(b.DTYPES)), default=["fp32"], help="fp32, bf16, int8 (fastbert.quantize beside ONNX Runtime and OpenVINO int8)")
-    bench.add_argument("--shapes", type=names(b.SHAPES), default=list(b.SHAPES), help="batch x seq, or ragged32")
+    bench.add_argument("--shapes", type=names(b.SHAPES), default=list(b.SHAPES), help="batch x seq (1x16: a search query), or ragged32")
     bench.add_argument("--competitors", type=names(b.COMPETITORS), default=list(b.DEFAULT_COMPETITORS),
                        help="fastbert, hf-eager, hf-sdpa, compile (torch.compile of hf-sdpa), nested, onnxruntime")
     bench.add_argument("--rounds", type=int, default=7, help="timed rounds per competitor (median reported)")

@@ -628,6 +628,10 @@ def forced_variant(op: str) -> tuple[str, str] | None:
     return (value.strip().lower(), var) if value else None
 
 
+# torch's own check (nn.RNN uses it); where a torch lacks it, every call looks at its tensors' device.
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+
+
 def follows_autocast(public_op):
     """Decorator for the public ops: under torch.autocast an op runs whole in the autocast dtype
     (statistics stay fp32 inside the kernels). Floating inputs are cast once, before any check, and
@@ -635,6 +639,8 @@ def follows_autocast(public_op):
 
     @functools.wraps(public_op)
     def wrapper(*args, **kwargs):
+        if not _any_autocast():  # one call, not a search for the device: a batch of one runs ~50 ops
+            return public_op(*args, **kwargs)
         first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
         device = first.device.type if first is not None else None
         if device is None or not torch.is_autocast_enabled(device):

@@ -26,7 +26,7 @@ from fastbert.testing import INT8, assert_close, rel_err
 
 COMPETITORS = ("fastbert", "hf-eager", "hf-sdpa", "compile", "nested", "onnxruntime", "openvino", "fastbert-bf16")
 DEFAULT_COMPETITORS = ("fastbert", "hf-eager", "hf-sdpa", "nested", "onnxruntime", "openvino")
-SHAPES = ("1x128", "8x128", "8x512", "ragged32")
+SHAPES = ("1x16", "1x128", "8x128", "8x512", "ragged32")  # 1x16: one search query
 MODELS = ("minilm", "base")
 # int8 rows: every model's weights quantized by its own tool (fastbert.quantize, ONNX Runtime's dynamic
 # quantization, OpenVINO's NNCF post-training quantization); activations and outputs in float32.
