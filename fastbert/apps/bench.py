@@ -33,8 +33,10 @@ MODELS = ("minilm", "base")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.float32}
 CALIBRATION_SEEDS = (11, 12, 13, 14)
 # Idle time before each timed call where ONNX Runtime or OpenVINO take part: their worker threads keep
-# spinning for a while after a call and slowed the next contender by 15-20% (BERT-base 8x128). Only then:
-# the pause itself costs short calls of every contender a few ms (a woken thread pool; measured).
+# spinning for a while after a call and slowed the next contender by 15-20% (BERT-base 8x128), 2x at 1x16.
+# Only then; and then an untimed call of the same contender goes first (alternating_medians' `primed`): the
+# pause leaves thread pools asleep, and waking one cost a first call up to 10 ms here (a microVM whose idle
+# vCPUs halt), more than a short call itself.
 SETTLE_S = 0.3
 SPINNING = ("onnxruntime", "openvino")
 
@@ -377,7 +379,7 @@ def measure(timed: list[Competitor], reference: Competitor, ids, mask, dtype, ro
         # Warmed up by the parity runs above.
         spinning = any(c.name in SPINNING for c in live)
         ms = alternating_medians({c.name: (lambda c=c: c.run(ids, mask)) for c in live}, rounds, device, warmup=0,
-                                 before=settle if spinning else None)
+                                 before=settle if spinning else None, primed=spinning)
     return ms, skipped, errors
 
 
