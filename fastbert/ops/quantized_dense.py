@@ -246,7 +246,8 @@ def _cpu(x, weight, weight_scale, bias, epilogue, prepared, quantize_output, inp
     packed = gemm.pack(weight, prepared, m)
     wsum = _weight_sums(weight, weight_scale) if prepared is None else prepared.get(
         "int8_sums", (weight, weight_scale), _weight_sums)
-    bias = None if bias is None else bias.float().contiguous()
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        bias = bias.float().contiguous()  # (a call saved where it is already: Int8Linear keeps it so)
     code = _ACTIVATION_CODES[epilogue]
     if quantize_output:
         out = QuantizedRows(_alloc.empty((m, n), dtype=torch.uint8, device=device),
@@ -261,12 +262,13 @@ def _cpu(x, weight, weight_scale, bias, epilogue, prepared, quantize_output, inp
     step = rows_per_block(n)
     for r0 in range(0, m, step):
         r1 = min(m, r0 + step)
-        acc = gemm.run(q[r0:r1], packed, weight_scale)  # weight_scale x (q @ weight^T); rows are scaled after
-        rows = (acc, scale[r0:r1], zero_point[r0:r1], wsum, bias, code)
+        block = (lambda t: t) if r1 - r0 == m else (lambda t: t[r0:r1])  # one block: no slicing calls
+        acc = gemm.run(block(q), packed, weight_scale)  # weight_scale x (q @ weight^T); rows are scaled after
+        rows = (acc, block(scale), block(zero_point), wsum, bias, code)
         if quantize_output:
-            torch.ops.fastbert_C.requantize_rows(*rows, out.values[r0:r1], out.scale[r0:r1], out.zero_point[r0:r1])
+            torch.ops.fastbert_C.requantize_rows(*rows, block(out.values), block(out.scale), block(out.zero_point))
         else:
-            torch.ops.fastbert_C.dequantize_rows(*rows, out[r0:r1])
+            torch.ops.fastbert_C.dequantize_rows(*rows, block(out))
     if quantize_output:
         return out._replace(values=out.values.view(*lead, n))
     return out.view(*lead, n)

@@ -1,5 +1,7 @@
 """quantized_dense: the cpu kernels equal the reference fed the same quantized bytes, and the C++
 quantization produces exactly the reference's bytes."""
+import sys
+
 import pytest
 import torch
 
@@ -59,6 +61,30 @@ def test_quantized_output_is_the_result_within_half_a_step(shape, n, activation,
     # Each value within half a quantization step of the exact result (plus float32's matmul bound).
     err = (out.dequantize().reshape(-1, n) - truth.reshape(-1, n)).abs()
     assert (err <= out.scale.double()[:, None] * 0.5 + bound * truth.abs().max()).all(), float(err.max())
+
+
+@pytest.mark.parametrize("variant", dispatch.variant_names("quantized_dense", "cpu"))
+@pytest.mark.parametrize("quantize_output", [False, True], ids=["to-float", "to-rows"])
+def test_row_blocks_equal_one_block(monkeypatch, variant, quantize_output):
+    """The GEMM in blocks of rows (rows_per_block, sized by the machine's L2) gives what one block gives:
+    forced to 32-row blocks here, whatever the L2."""
+    skip_unless_variant("quantized_dense", variant, torch.float32)
+    qd = sys.modules["fastbert.ops.quantized_dense"]
+    x = torch.randn(100, 64) * 2
+    weight, scale, b = layer(96, 64)
+
+    def run():
+        with torch.no_grad(), poison_outputs(), dispatch.use_variant("quantized_dense", variant):
+            return ops.quantized_dense(x, weight, scale, b, "gelu", quantize_output=quantize_output)
+
+    whole = run()
+    monkeypatch.setattr(qd, "_cache_bytes", lambda: 32 * 4 * 96)
+    assert qd.rows_per_block(96) == 32
+    blocks = run()
+    if quantize_output:  # QuantizedRows: values, scale, zero point
+        assert all(torch.equal(got, want) for got, want in zip(blocks[:3], whole[:3])) and blocks.dtype == whole.dtype
+    else:
+        assert torch.equal(blocks, whole)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
