@@ -13,8 +13,10 @@ import contextlib
 import functools
 import importlib
 import logging
+import operator
 import os
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -362,10 +364,12 @@ def prefers_varlen(x: torch.Tensor, head_dim: int, dropout_p: float) -> bool:
 def call(op: str, inputs: dict, *args, **kwargs):
     """Select a backend for `op` (and of its variants, where it has several), run it, and record the choice."""
     plan = getattr(_local, "plan", None)
-    if plan is not None and plan.replaying:  # the op's trusted() matched this call to the plan's
-        fn, backend, skipped, variant = plan.next_call()
-        note(op, backend, skipped, variant)
-        return fn(*args, **kwargs)
+    if plan is not None and plan.replaying:
+        planned = plan.take(op)  # the op's trusted() matched this call to the plan's
+        if planned is not None:
+            fn, backend, skipped, variant = planned
+            note(op, backend, skipped, variant)
+            return fn(*args, **kwargs)
     backend, skipped, usable, key = _selection(op, inputs)
     if not usable:
         fn, variant = _REGISTRY[op][backend].fn, None
@@ -380,32 +384,39 @@ def call(op: str, inputs: dict, *args, **kwargs):
 
 # --------------------------------------------------------------------------------------------------
 # Plans: a model's eager inference forward, run again without its checks and choices. The first forward
-# of a kind (Plans.key: shapes, dtypes, flags, settings) runs as usual and remembers each op call's
+# of a kind (Plans.key: its inputs' shapes, dtypes and flags) runs as usual and remembers each op call's
 # implementation; a later forward of that kind skips the public ops' checks (their inputs have the shapes
 # and dtypes those checks passed) and calls the remembered implementation. At a batch of one the checks
-# and choices cost as much as the kernels (benchmarks/RESULTS.md). Each public op names itself and its
-# flags (`trusted`); where they differ from the plan's, the plan is dropped and the call runs checked.
+# and choices cost as much as the kernels (benchmarks/RESULTS.md). Each public op names itself, its first
+# tensor's shape and dtype and its flags (`trusted`); where they differ from the plan's, the plan is
+# dropped and the rest of the forward runs checked.
 
 
 class Plans:
-    """A model's plans by key. Forgotten on any module, parameter or buffer assignment (anywhere), on a
-    change of selections, and when a tensor of the model has other storage (`.to()`, `.data =`)."""
+    """A model's plans by key. All are forgotten when dispatch's state changes (the registry, selections
+    cleared, tuning switched) or a module, parameter or buffer of a planned model is assigned; one is dropped
+    when a tensor of the model is not the one it ran with (another object or storage: a conversion,
+    `.data =`, torch.func.functional_call)."""
 
-    _epoch = [0]  # bumped by torch's global registration hooks, installed with the first Plans
-    LIMIT = 64  # plans a model keeps
+    LIMIT = 64  # plans a model keeps: ragged batches make a key per token count
+    _epoch = [0]  # bumped when a module of a planned model is assigned to
+    _watched: "weakref.WeakSet" = weakref.WeakSet()  # the modules of models that have plans
 
     def __init__(self):
         self._plans: dict = {}
+        self._state = None
+        self._lock = threading.Lock()  # two threads may record for one model at once
         if not Plans._epoch[0]:
             Plans._epoch[0] = 1
             for register in (torch.nn.modules.module.register_module_module_registration_hook,
                              torch.nn.modules.module.register_module_parameter_registration_hook,
                              torch.nn.modules.module.register_module_buffer_registration_hook):
-                register(Plans._bump)
+                register(Plans._assigned)
 
     @staticmethod
-    def _bump(*_):
-        Plans._epoch[0] += 1
+    def _assigned(module, *_):
+        if module in Plans._watched:  # (modules being built, and other models', are not)
+            Plans._epoch[0] += 1
 
     @staticmethod
     def key(model, *facts):
@@ -417,22 +428,46 @@ class Plans:
             return None
         if _override_stack() or _override_variants() or any(environment.get(v) for v in _FORCING_VARIABLES):
             return None  # forced: rare, and then every call is checked
-        return facts, tuning.enabled(), _generation[0], len(_choices), len(_picked), Plans._epoch[0]
+        return facts
 
     def run(self, model, key):
-        """Context for the forward under `key`: replays its plan, or records one (key None: neither)."""
+        """Context for the forward under `key`: replays its plan, or records one; with key None neither
+        (and an outer model's plan does not reach the ops inside)."""
         if key is None:
-            return contextlib.nullcontext()
-        plan = self._plans.get(key)
+            return _Unplanned()
+        state = _state()
+        with self._lock:
+            if state != self._state:
+                self._plans.clear()
+                self._state = state
+            plan = self._plans.get(key)
         if plan is _UNPLANNABLE:
-            return contextlib.nullcontext()
-        if plan is not None and plan.storage == tuple(t.data_ptr() for t in plan.tensors):
-            return _Running(plan, self._plans, key)
-        tensors = tuple(model.state_dict(keep_vars=True).values())
-        return _Running(_Plan(tensors), self._plans, key, recording=True)
+            return _Unplanned()
+        if plan is not None and plan.current():
+            return _Running(self, key, plan, state)
+        return _Running(self, key, _Plan(model), state, recording=True)
+
+    def keep(self, key, plan, state_before) -> None:
+        with self._lock:
+            now = _state()
+            # The forward's own new selections leave the other plans valid; any other change does not.
+            if now[:3] != state_before[:3] or now[3] < state_before[3] or now[4] < state_before[4]:
+                self._plans.clear()
+                return
+            if key not in self._plans and len(self._plans) >= self.LIMIT:
+                self._plans.pop(next(iter(self._plans)))  # the oldest
+            self._plans[key] = plan
+            self._state = now
+        if plan is not _UNPLANNABLE:
+            Plans._watched.update(plan.modules)
+
+    def drop(self, key) -> None:
+        with self._lock:
+            self._plans.pop(key, None)
 
     def clear(self) -> None:
-        self._plans.clear()
+        with self._lock:
+            self._plans.clear()
 
     def __len__(self) -> int:
         return len(self._plans)
@@ -450,19 +485,46 @@ _generation = [0]  # bumped whenever the registry changes
 _UNPLANNABLE = object()  # a key whose forward makes a call that no op named (then it always runs checked)
 
 
+def _state() -> tuple:
+    """What every plan's choices depend on beyond its key."""
+    return tuning.enabled(), _generation[0], Plans._epoch[0], len(_choices), len(_picked)
+
+
 class _Plan:
-    def __init__(self, tensors):
-        self.calls: list[tuple] = []  # (op and flags, fn, backend, skipped, variant)
-        self.tensors = tensors  # the model's parameters and buffers, and where each lived when recorded
-        self.storage = tuple(t.data_ptr() for t in tensors)
+    def __init__(self, model):
+        self.calls: list[tuple] = []  # (signature, fn, backend, skipped, variant)
+        self.modules = tuple(model.modules())
+        # Each parameter and buffer: where it is held, the tensor, and where its data was when recorded.
+        slots = [(held, name, t) for m in self.modules for held in (m._parameters, m._buffers)
+                 for name, t in held.items() if t is not None]
+        self.places = [(held, name) for held, name, _ in slots]
+        self.tensors = [t for _, _, t in slots]
+        self.pointers = [t.data_ptr() for t in self.tensors]
+
+    def current(self) -> bool:
+        """Whether the model holds the tensors it ran with, on the same storage (a conversion or `.data =`
+        moves it; a `.data =` of the very address in another shape is what clear_prepared_weights is for).
+        List comprehensions: ~20 us for BERT-base's 199 tensors, a loop with branches took 50."""
+        return (all(map(operator.is_, [held.get(name) for held, name in self.places], self.tensors))
+                and [t.data_ptr() for t in self.tensors] == self.pointers)
+
+
+class _Unplanned:
+    """Context: no plan on this thread inside (a model without one, called within another's forward)."""
+
+    def __enter__(self):
+        self.outer, _local.plan = getattr(_local, "plan", None), None
+
+    def __exit__(self, *_):
+        _local.plan = self.outer
 
 
 class _Running:
     """One forward's use of a plan on this thread: replaying it, or recording it (kept on success)."""
 
-    def __init__(self, plan: _Plan, plans: dict, key, recording: bool = False):
-        self.plan, self.plans, self.key, self.recording = plan, plans, key, recording
-        self.replaying, self.position, self.signature, self.broken = not recording, 0, None, False
+    def __init__(self, plans: Plans, key, plan, state, recording: bool = False):
+        self.plans, self.key, self.plan, self.state, self.recording = plans, key, plan, state, recording
+        self.replaying, self.position, self.signature, self.broken, self.armed = not recording, 0, None, False, False
 
     def __enter__(self):
         self.outer = getattr(_local, "plan", None)
@@ -472,9 +534,7 @@ class _Running:
     def __exit__(self, kind, *_):
         _local.plan = self.outer
         if kind is None and self.recording:
-            if len(self.plans) >= Plans.LIMIT:  # the oldest goes: ragged batches make a key per token count
-                del self.plans[next(iter(self.plans))]
-            self.plans[self.key] = _UNPLANNABLE if self.broken else self.plan
+            self.plans.keep(self.key, _UNPLANNABLE if self.broken else self.plan, self.state)
 
     def trusted(self, signature: tuple) -> bool:
         if self.recording:
@@ -483,16 +543,26 @@ class _Running:
             return False
         calls = self.plan.calls
         if self.replaying and self.position < len(calls) and calls[self.position][0] == signature:
+            self.armed = True
             return True
-        if self.replaying:  # this forward goes another way: the rest runs checked, and the plan is dropped
-            self.replaying = False
-            self.plans.pop(self.key, None)
+        self.abandon()
         return False
 
-    def next_call(self) -> tuple:
-        call = self.plan.calls[self.position]
-        self.position += 1
+    def take(self, op: str) -> tuple | None:
+        """The implementation (fn, backend, skipped, variant) of this call of `op`, which trusted() matched;
+        None (and the plan dropped) where no trusted() came first."""
+        call = self.plan.calls[self.position] if self.armed else None
+        if call is None or call[0][0] != op:
+            self.abandon()
+            return None
+        self.armed, self.position = False, self.position + 1
         return call[1:]
+
+    def abandon(self) -> None:
+        """This forward goes another way: the rest runs checked, and the plan is dropped."""
+        if self.replaying:
+            self.replaying = self.armed = False
+            self.plans.drop(self.key)
 
     def remember(self, op, fn, backend, skipped, variant) -> None:
         if self.signature is None or self.signature[0] != op:
@@ -501,11 +571,12 @@ class _Running:
         self.signature = None
 
 
-def trusted(op: str, *flags) -> bool:
+def trusted(op: str, x: torch.Tensor, *flags) -> bool:
     """Whether this call of public op `op` may skip its checks: a plan is replaying and its next call is
-    `op` with these `flags` (the non-tensor arguments that steer the op's checks and choices)."""
+    `op` with a first tensor `x` of this shape and dtype and these `flags` (the non-tensor arguments that
+    steer the op's checks and choices)."""
     plan = getattr(_local, "plan", None)
-    return plan is not None and plan.trusted((op, *flags))
+    return plan is not None and plan.trusted((op, x.shape, x.dtype, *flags))
 
 
 # --------------------------------------------------------------------------------------------------

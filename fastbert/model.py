@@ -390,8 +390,10 @@ class BertModel(BertPreTrainedModel):
             packing = padding.packing(attention_mask)
             x = padding.unpad(x, packing)  # [T, H]: pad tokens never enter the encoder
         # The inputs were checked above; what the ops inside would check follows from these facts.
+        # Packed, the varlen kernels' choice also depends on the longest sequence (its size class).
+        packed = None if packing is None else dispatch.size_class(packing.max_seqlen)
         key = dispatch.Plans.key(self, tuple(x.shape), x.dtype, x.device, None if attention_mask is None else (
-            tuple(attention_mask.shape), packing is not None), output_hidden_states, output_attentions)
+            tuple(attention_mask.shape), packed), output_hidden_states, output_attentions)
         with self.plans.run(self, key):
             x, hidden_states, attentions = self.encoder(x, attention_mask, output_hidden_states, output_attentions,
                                                         packing)

@@ -82,7 +82,7 @@ class Int8Linear(nn.Module):
 
     @property
     def static(self) -> bool:
-        return self._buffers["input_scale"] is not None
+        return self.buffers_now()[3] is not None
 
     @property
     def takes_quantized_rows(self) -> bool:
@@ -92,12 +92,19 @@ class Int8Linear(nn.Module):
     def forward(self, x, activation: str = "none", approximate: str = "none", quantize_output: bool = False):
         if self.observer is not None:
             self.observer(x)
-        # Buffers from their dict: nn.Module's __getattr__ costs ~0.5 us a buffer, and a batch of one pays it
-        # for every layer.
+        weight, weight_scale, bias, input_scale, input_zero_point = self.buffers_now()
+        return ops.quantized_dense(x, weight, weight_scale, bias, activation, approximate, self.prepared,
+                                   quantize_output and input_scale is None, input_scale, input_zero_point)
+
+    def buffers_now(self) -> tuple:
+        """weight, weight_scale, bias, input_scale, input_zero_point: from the buffer dict, as nn.Module's
+        __getattr__ costs ~0.5 us a buffer and a batch of one pays it for every layer (a parametrized
+        buffer lives elsewhere: then by attribute)."""
         b = self._buffers
-        return ops.quantized_dense(x, b["weight"], b["weight_scale"], b["bias"], activation, approximate, self.prepared,
-                                   quantize_output and b["input_scale"] is None, b["input_scale"],
-                                   b["input_zero_point"])
+        try:
+            return b["weight"], b["weight_scale"], b["bias"], b["input_scale"], b["input_zero_point"]
+        except KeyError:
+            return self.weight, self.weight_scale, self.bias, self.input_scale, self.input_zero_point
 
     def _apply(self, fn, *args, **kwargs):
         self.prepared.clear()
@@ -119,8 +126,8 @@ def fused(linears, x, prepared: ops.PreparedWeights):
     for m in linears:
         if m.observer is not None:
             m.observer(x)
-    buffers = [m._buffers for m in linears]  # as in Int8Linear.forward
-    sources = tuple(b[name] for b in buffers for name in ("weight", "weight_scale", "bias") if b[name] is not None)
+    buffers = [m.buffers_now() for m in linears]
+    sources = tuple(t for b in buffers for t in b[:3] if t is not None)
 
     def stack(*_):
         biases = [m.bias for m in linears]
@@ -128,8 +135,8 @@ def fused(linears, x, prepared: ops.PreparedWeights):
         return torch.cat([m.weight for m in linears]), torch.cat([m.weight_scale for m in linears]), bias
 
     weight, scale, bias = prepared.get("qkv_int8", sources, stack)
-    return ops.quantized_dense(x, weight, scale, bias, prepared=prepared, input_scale=buffers[0]["input_scale"],
-                               input_zero_point=buffers[0]["input_zero_point"])
+    return ops.quantized_dense(x, weight, scale, bias, prepared=prepared, input_scale=buffers[0][3],
+                               input_zero_point=buffers[0][4])
 
 
 def replace_linears(model: nn.Module, mode: str = "dynamic") -> list[Int8Linear]:

@@ -167,3 +167,73 @@ def test_plans_are_bounded_and_never_copied_pickled_or_saved(tmp_path):
     assert not any("plans" in name for name in model.state_dict())
     model.clear_prepared_weights()
     assert len(model.plans) == 0
+
+
+def test_replaced_weights_are_not_kept_alive_by_old_plans():
+    import gc
+    import weakref
+
+    model, (ids, mask) = small_model(), batch()
+    dense = model.encoder.layer[0].output.dense
+    with torch.inference_mode():
+        for _ in range(3):
+            model(ids, attention_mask=mask)
+    old = weakref.ref(dense.weight)
+    dense.weight = torch.nn.Parameter(torch.randn_like(dense.weight))  # a reload, as load_state_dict(assign=True)
+    with torch.inference_mode():
+        for _ in range(3):
+            model(ids, attention_mask=mask)
+    gc.collect()
+    assert old() is None and len(model.plans) == 1
+
+
+def test_functional_call_with_other_tensors_is_checked():
+    model, (ids, mask) = small_model(), batch()
+    with torch.inference_mode():
+        for _ in range(3):
+            model(ids, attention_mask=mask)
+        name = "encoder.layer.1.output.dense.weight"
+        wrong = model.get_parameter(name).detach().double()
+        with pytest.raises(ValueError, match="dtype torch.float64"):
+            torch.func.functional_call(model, {name: wrong}, (ids,), {"attention_mask": mask})
+
+
+def test_packed_batches_of_one_token_count_but_other_longest_sequences_have_their_own_plans():
+    model = small_model()
+    ids = torch.randint(1, CONFIG["vocab_size"], (2, 30))
+    masks = [torch.zeros(2, 30, dtype=torch.long) for _ in range(2)]
+    masks[0][:, :16] = 1  # 32 tokens, longest 16
+    masks[1][0, :30], masks[1][1, :2] = 1, 1  # 32 tokens, longest 30
+    with torch.inference_mode():
+        for _ in range(3):
+            for mask in masks:
+                model(ids, attention_mask=mask)
+    assert len(model.plans) == 2
+
+
+def test_a_model_called_inside_another_forward_runs_checked_and_unrecorded(monkeypatch):
+    outer, (ids, mask) = small_model(), batch(padded=False)
+    inner = fastbert.BertModel(fastbert.BertConfig(**CONFIG, hidden_dropout_prob=0.0,
+                                                   attention_probs_dropout_prob=0.0)).train()  # no plan: training
+    with torch.inference_mode():
+        alone = inner(ids, attention_mask=mask).last_hidden_state
+    seen = []
+    outer.encoder.layer[0].register_forward_hook(lambda *_: seen.append(inner(ids, attention_mask=mask)))
+    checks = CheckCounter(monkeypatch)
+    with torch.inference_mode():
+        for _ in range(4):
+            checks.count = 0
+            outer(ids, attention_mask=mask)
+    assert checks.count >= 7 * CONFIG["num_hidden_layers"]  # the inner model's ops, every time
+    assert all(torch.equal(out.last_hidden_state, alone) for out in seen)
+
+
+def test_modules_built_elsewhere_leave_plans_alone(monkeypatch):
+    model, (ids, mask) = small_model(), batch()
+    with torch.inference_mode():
+        for _ in range(3):
+            model(ids, attention_mask=mask)
+        checks = CheckCounter(monkeypatch)
+        torch.nn.Linear(4, 4)  # registers parameters of a module no plan knows
+        model(ids, attention_mask=mask)
+    assert checks.count <= 1

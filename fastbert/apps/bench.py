@@ -34,9 +34,10 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, 
 CALIBRATION_SEEDS = (11, 12, 13, 14)
 # Idle time before each timed call where ONNX Runtime or OpenVINO take part: their worker threads keep
 # spinning for a while after a call and slowed the next contender by 15-20% (BERT-base 8x128), 2x at 1x16.
-# Only then; and then an untimed call of the same contender goes first (alternating_medians' `primed`): the
-# pause leaves thread pools asleep, and waking one cost a first call up to 10 ms here (a microVM whose idle
-# vCPUs halt), more than a short call itself.
+# Only then. Every timed call follows an untimed call of the same contender (alternating_medians' `primed`):
+# what back-to-back calls of one model see. Unprimed, a settled thread pool woke for up to 10 ms here (a
+# microVM whose idle vCPUs halt), more than a short call itself, and each contender ran on caches the one
+# before it had filled.
 SETTLE_S = 0.3
 SPINNING = ("onnxruntime", "openvino")
 
@@ -379,7 +380,7 @@ def measure(timed: list[Competitor], reference: Competitor, ids, mask, dtype, ro
         # Warmed up by the parity runs above.
         spinning = any(c.name in SPINNING for c in live)
         ms = alternating_medians({c.name: (lambda c=c: c.run(ids, mask)) for c in live}, rounds, device, warmup=0,
-                                 before=settle if spinning else None, primed=spinning)
+                                 before=settle if spinning else None, primed=True)
     return ms, skipped, errors
 
 
@@ -398,7 +399,8 @@ def markdown(rows: list[Row], names: list[str], rates: dict) -> str:
         cells.append(f"{100 * r.gemm_fraction:.0f}%" if r.gemm_fraction else "n/a")
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
-    lines.append(cpu_line() + f", {torch.get_num_threads()} threads")
+    lines.append(cpu_line() + f", {torch.get_num_threads()} threads; each timed call right after an untimed one "
+                 "of the same contender")
     lines.append("GEMM rate (CPU: the GEMM fastbert runs at 1024x768x3072, int8 in quantized_dense's row blocks; "
                  "GPU: cuBLAS 8192^3; same run): "
                  + ", ".join(f"{k} {v:.0f} {'GOP' if k == 'int8' else 'GFLOP'}/s" for k, v in rates.items()))

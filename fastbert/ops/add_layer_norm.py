@@ -15,7 +15,7 @@ def add_layer_norm(x, residual, weight, bias, eps: float, dropout_p: float = 0.0
     """x, residual [..., N]; weight, bias [N]. Statistics over the last dimension. `quantize_output`
     (inference, int8 models): returns (out, out as QuantizedRows), the rows quantized while the kernel
     still holds them, for the quantized_dense that reads them next."""
-    if not dispatch.trusted("add_layer_norm", eps, dropout_p, quantize_output):
+    if not dispatch.trusted("add_layer_norm", x, eps, dropout_p, quantize_output):
         _checks.tensor("x", x, (1, 2, 3))
         _checks.tensor("residual", residual, (1, 2, 3))
         _checks.tensor("weight", weight, (1,))

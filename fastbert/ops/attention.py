@@ -16,7 +16,7 @@ def attention(q, k, v, attention_mask=None, dropout_p: float = 0.0, scale: float
     """q, k, v [B, heads, S, d]; attention_mask [B, S], 1 = keep (bool, int or float 0/1).
     Returns [B, heads, S, d]; with need_weights=True also the probabilities [B, heads, S, S].
     A query row with no kept key gives zeros."""
-    if not dispatch.trusted("attention", attention_mask is None, dropout_p, scale, need_weights):
+    if not dispatch.trusted("attention", q, attention_mask is None, dropout_p, scale, need_weights):
         for name, t in (("q", q), ("k", k), ("v", v)):
             _checks.tensor(name, t, (4,))
         _checks.same_dtype_device(q=q, k=k, v=v)
@@ -36,7 +36,7 @@ def attention(q, k, v, attention_mask=None, dropout_p: float = 0.0, scale: float
 @dispatch.follows_autocast
 def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, dropout_p: float = 0.0, scale: float | None = None):
     """q, k, v [T, heads, d] packed; cu_seqlens int32 [B + 1] from 0 to T; max_seqlen the longest length."""
-    if not dispatch.trusted("varlen_attention", dropout_p, scale):
+    if not dispatch.trusted("varlen_attention", q, dropout_p, scale):
         for name, t in (("q", q), ("k", k), ("v", v)):
             _checks.tensor(name, t, (3,))
         _checks.same_dtype_device(q=q, k=k, v=v)

@@ -12,7 +12,7 @@ from fastbert.ops._op import OpSpec, by_device
 @dispatch.follows_autocast
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """gelu(x + bias); x [..., N], bias [N]. approximate="tanh" for gelu_new / gelu_pytorch_tanh."""
-    if not dispatch.trusted("bias_gelu", approximate):
+    if not dispatch.trusted("bias_gelu", x, approximate):
         _checks.tensor("x", x, (1, 2, 3, 4))
         _checks.tensor("bias", bias, (1,))
         _checks.same_dtype_device(x=x, bias=bias)

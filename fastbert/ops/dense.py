@@ -18,7 +18,7 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     """x [..., K], weight [N, K], bias [N] or None -> [..., N]; activation "none" | "gelu", GELU's form
     `approximate` "none" (erf) | "tanh", as in bias_gelu and torch's F.gelu.
     `prepared`: the PreparedWeights of the module that owns `weight`, where kernels may keep a packed copy."""
-    if not dispatch.trusted("dense", activation, approximate, bias is None):
+    if not dispatch.trusted("dense", x, activation, approximate, bias is None):
         _checks.tensor("x", x, (1, 2, 3, 4))
         _checks.tensor("weight", weight, (2,))
         _checks.same_dtype_device(x=x, weight=weight, bias=bias)

@@ -17,7 +17,7 @@ def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """x [B, S, H] or [T, H]; weight [3H, H] (rows: q, k, v); bias [3H].
     Returns q, k, v, each [B, heads, S, d] (or [T, heads, d]). `prepared`: as for dense."""
     hidden = x.shape[-1]
-    if not dispatch.trusted("qkv_projection", num_heads, bias is None):
+    if not dispatch.trusted("qkv_projection", x, num_heads, bias is None):
         _checks.tensor("x", x, (2, 3))
         _checks.tensor("weight", weight, (2,))
         _checks.same_dtype_device(x=x, weight=weight, bias=bias)

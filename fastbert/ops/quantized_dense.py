@@ -45,8 +45,8 @@ def quantized_dense(x, weight: torch.Tensor, weight_scale: torch.Tensor, bias: t
         raise NotImplementedError(EAGER_ONLY)
     rows = isinstance(x, QuantizedRows)
     tensors = (x.values, weight, x.scale) if rows else (x, weight)
-    trusted = dispatch.trusted("quantized_dense", activation, approximate, quantize_output, rows, bias is None,
-                               input_scale is None)
+    trusted = dispatch.trusted("quantized_dense", tensors[0], activation, approximate, quantize_output, rows,
+                               bias is None, input_scale is None)
     if not trusted or input_scale is not None:  # static layers' checks read the calibrated range: every call
         _checks_of(x, weight, weight_scale, bias, activation, approximate, prepared, quantize_output, input_scale,
                    input_zero_point)
