@@ -157,11 +157,12 @@ class Facts:
     need_weights: bool = False
     quantize_output: bool = False
     gelu: bool = False  # a linear with a GELU epilogue
+    row_width: int | None = None  # a row op's last dimension (kernels that hold a row in registers have a limit)
 
 
 def facts(inputs: dict) -> Facts:
     """`inputs`: `tensors` (the call's tensor arguments) and flags `head_dim`, `dropout_p`, `need_weights`,
-    `quantize_output`, `gelu`."""
+    `quantize_output`, `gelu`, `row_width`."""
     tensors = [t for t in inputs.get("tensors", ()) if t is not None]
     return Facts(
         devices=tuple(sorted({t.device.type for t in tensors})),
@@ -171,6 +172,7 @@ def facts(inputs: dict) -> Facts:
         need_weights=bool(inputs.get("need_weights", False)),
         quantize_output=bool(inputs.get("quantize_output", False)),
         gelu=bool(inputs.get("gelu", False)),
+        row_width=inputs.get("row_width"),
     )
 
 
@@ -288,8 +290,8 @@ def _selection(op: str, inputs: dict | Facts) -> tuple[str, dict[str, list[str]]
         # torch.device, not .type: the key is built on every call and .type costs a string each time.
         key = (op, tuple([(t.device, t.dtype) for t in inputs.get("tensors", ()) if t is not None]),
                inputs.get("head_dim"), inputs.get("dropout_p", 0.0) > 0, bool(inputs.get("need_weights", False)),
-               bool(inputs.get("quantize_output", False)), bool(inputs.get("gelu", False)), forced_backend(op),
-               forced_variant(op))
+               bool(inputs.get("quantize_output", False)), bool(inputs.get("gelu", False)), inputs.get("row_width"),
+               forced_backend(op), forced_variant(op))
         choice = _choices.get(key)
         if choice is None:
             f = facts(inputs)
@@ -299,32 +301,33 @@ def _selection(op: str, inputs: dict | Facts) -> tuple[str, dict[str, list[str]]
     f = inputs if isinstance(inputs, Facts) else facts(inputs)
     backend, skipped = _select_uncached(op, f)
     names = _usable_names(op, backend, f.devices, tuple(_dtype_name(d) for d in f.dtypes), f.head_dim, f.dropout,
-                          f.need_weights, f.quantize_output, f.gelu)
+                          f.need_weights, f.quantize_output, f.gelu, f.row_width)
     table = _VARIANTS.get((op, backend))
     return backend, skipped, tuple(v for v in table.options if v.name in names) if table else (), None
 
 
 @torch.compiler.assume_constant_result
 def _usable_names(op, backend, devices, dtype_names, head_dim, dropout, need_weights, quantize_output,
-                  gelu) -> tuple[str, ...]:
+                  gelu, row_width) -> tuple[str, ...]:
     """usable_variants' names, as a constant while tracing (its checks call functions dynamo skips)."""
     f = Facts(devices, tuple(getattr(torch, d) for d in dtype_names), head_dim, dropout, need_weights, quantize_output,
-              gelu)
+              gelu, row_width)
     return tuple(v.name for v in usable_variants(op, backend, f)[0])
 
 
 def _select_uncached(op: str, f: Facts) -> tuple[str, dict[str, list[str]]]:
     dtypes = tuple(_dtype_name(d) for d in f.dtypes)
-    return _select(op, f.devices, dtypes, f.head_dim, f.dropout, f.need_weights, f.quantize_output, f.gelu)
+    return _select(op, f.devices, dtypes, f.head_dim, f.dropout, f.need_weights, f.quantize_output, f.gelu,
+                   f.row_width)
 
 
 # Under torch.compile the choice is made once, while tracing, and baked into the graph: it reads
 # only static facts (passed as plain constants) and the overrides in force at that moment.
 @torch.compiler.assume_constant_result
 def _select(op, devices, dtype_names, head_dim, dropout, need_weights, quantize_output,
-            gelu) -> tuple[str, dict[str, list[str]]]:
+            gelu, row_width) -> tuple[str, dict[str, list[str]]]:
     f = Facts(devices, tuple(getattr(torch, d) for d in dtype_names), head_dim, dropout, need_weights, quantize_output,
-              gelu)
+              gelu, row_width)
     forced = forced_backend(op)
     if forced is not None:
         backend, where = forced

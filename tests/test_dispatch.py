@@ -207,3 +207,13 @@ def test_ops_work_under_vmap():
         looped = torch.stack([ops.add_layer_norm(x[i], r[i], w, b, 1e-5) for i in range(2)])
     assert calls and {c.backend for c in calls} == {"cpu"}, f"calls: {list(calls)}"
     torch.testing.assert_close(batched, looped, rtol=0, atol=0)
+
+
+def test_cuda_add_layer_norm_names_its_row_limit():
+    """Wider rows than the cuda kernel holds fall to the next backend with the reason, not into the kernel."""
+    import fastbert.ops.add_layer_norm  # noqa: F401  (registers it)
+
+    cuda = dispatch.implementations("add_layer_norm")["cuda"]
+    wide = dispatch.Facts(("cuda",), (torch.float32,), row_width=8193)
+    assert any("at most 8192" in r for r in cuda.extra_reasons(wide))
+    assert cuda.extra_reasons(dispatch.Facts(("cuda",), (torch.float32,), row_width=8192)) == []

@@ -179,7 +179,7 @@ def nested_encoder(hf_model, dtype):
             mine.linear1.load_state_dict(theirs.intermediate.dense.state_dict())
             mine.linear2.load_state_dict(theirs.output.dense.state_dict())
             mine.norm2.load_state_dict(theirs.output.LayerNorm.state_dict())
-    encoder = encoder.eval().to(dtype)
+    encoder = encoder.eval().to(hf_model.device, dtype)  # built on the CPU: moved where the model runs
 
     def run(ids, mask):
         x = hf_model.embeddings(input_ids=ids)

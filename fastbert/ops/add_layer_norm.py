@@ -34,7 +34,8 @@ def add_layer_norm(x, residual, weight, bias, eps: float, dropout_p: float = 0.0
             if dropout_p > 0 or needs_grad(x, residual, weight, bias):
                 raise ValueError("quantize_output is for inference: it needs dropout_p == 0 and no gradient "
                                  "(run under torch.no_grad() or torch.inference_mode())")
-    inputs = {"tensors": (x, residual, weight, bias), "dropout_p": dropout_p, "quantize_output": quantize_output}
+    inputs = {"tensors": (x, residual, weight, bias), "dropout_p": dropout_p, "quantize_output": quantize_output,
+              "row_width": int(x.shape[-1])}
     return dispatch.call("add_layer_norm", inputs, x, residual, weight, bias, float(eps), float(dropout_p),
                          bool(quantize_output))
 
@@ -127,9 +128,17 @@ def _cpu(x, residual, weight, bias, eps, dropout_p, quantize_output):
                                                  *quantized[:3])
     return out, quantized
 
-# Last dimension <= 8192 on CUDA.
-dispatch.register("add_layer_norm", "cuda",
-                  dispatch.Support(("cuda",), (torch.float16, torch.bfloat16, torch.float32)))(_cxx)
+CUDA_MAX_ROW = 8192  # csrc/cuda/add_layer_norm.cu holds a row in registers
+
+
+def _cuda_row_reasons(f: dispatch.Facts) -> list[str]:
+    if f.row_width is not None and f.row_width > CUDA_MAX_ROW:
+        return [f"rows of {f.row_width} (the cuda kernel holds a row in registers: at most {CUDA_MAX_ROW})"]
+    return []
+
+
+dispatch.register("add_layer_norm", "cuda", dispatch.Support(("cuda",), (torch.float16, torch.bfloat16, torch.float32)),
+                  _cuda_row_reasons)(_cxx)
 
 
 # -------------------------------------------------------------------- triton (kernels/add_layer_norm.py)
