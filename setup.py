@@ -63,8 +63,9 @@ def cuda_extension(cxx_flags: list[str]):
 
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp") + glob.glob("csrc/cuda/*.cpp")
                      + glob.glob("csrc/cuda/*.cu"))
-    nvcc_flags = ["-O3", "-std=c++17", "-DFASTBERT_WITH_CUDA",
-                  "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90"]
+    # FASTBERT_CUDA_ARCHS: the compute capabilities to build for (default 80,90; the GPU check builds 90 only).
+    archs = [a for a in os.environ.get("FASTBERT_CUDA_ARCHS", "80,90").replace(" ", "").split(",") if a]
+    nvcc_flags = ["-O3", "-std=c++17", "-DFASTBERT_WITH_CUDA", *(f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs)]
     return CUDAExtension(
         "fastbert._C",
         sources,

@@ -21,7 +21,7 @@ import torch
 
 from fastbert import dispatch, ops
 from fastbert.testing import assert_close, assert_ran, grad_floor, poison_outputs, upcast
-from grids import DTYPES, KERNEL_BACKENDS, skip_unless_runnable, skip_unless_variant
+from grids import DTYPES, KERNEL_BACKENDS, device_for, skip_unless_runnable, skip_unless_variant
 
 try:  # the lent GPU machine has no hypothesis: the property tests skip there, the rest of each file runs
     import hypothesis
@@ -368,7 +368,15 @@ def check_opcheck(check: OpCheck):
     if reasons:
         pytest.skip(("cuda unavailable: " if check.backend == "cuda" else "") + "; ".join(reasons))
     op = getattr(torch.ops.fastbert, check.name.split("-")[0]).default
-    torch.library.opcheck(op, check.make_args())
+    device = device_for(check.backend)  # triton's cases are written on the CPU: with a GPU they run there
+    torch.library.opcheck(op, tuple(on_device(a, device) for a in check.make_args()))
+
+
+def on_device(a, device: str):
+    """A tensor argument moved to `device`, still a leaf where it was one (others unchanged)."""
+    if not isinstance(a, torch.Tensor) or a.device.type == device:
+        return a
+    return a.detach().to(device).requires_grad_(a.requires_grad)
 
 
 def check_bad_input(call, message):
