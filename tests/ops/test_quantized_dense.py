@@ -74,8 +74,12 @@ def test_row_blocks_equal_one_block(monkeypatch, variant, quantize_output):
     weight, scale, b = layer(96, 64)
 
     def run():
-        with torch.no_grad(), poison_outputs(), dispatch.use_variant("quantized_dense", variant):
-            return ops.quantized_dense(x, weight, scale, b, "gelu", quantize_output=quantize_output)
+        with torch.no_grad(), poison_outputs(), dispatch.use_variant("quantized_dense", variant), \
+                dispatch.record() as calls:
+            out = ops.quantized_dense(x, weight, scale, b, "gelu", quantize_output=quantize_output)
+        assert_ran(calls, "quantized_dense", "cpu")
+        assert calls[0].variant == variant
+        return out
 
     whole = run()
     monkeypatch.setattr(qd, "_cache_bytes", lambda: 32 * 4 * 96)
