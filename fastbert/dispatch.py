@@ -425,8 +425,7 @@ class Plans:
     def key(model, *facts):
         """The key of a forward of `model` with `facts` (its inputs' shapes, dtypes, flags), or None where
         no plan serves: training, gradients, autocast, torch.compile or torch.func, forced backends."""
-        if (model.training or torch.is_grad_enabled() or torch.compiler.is_compiling()
-                or torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
+        if (model.training or torch.is_grad_enabled() or torch.compiler.is_compiling() or _any_autocast()
                 or torch._C._functorch.peek_interpreter_stack() is not None):
             return None
         if _override_stack() or _override_variants() or any(environment.get(v) for v in _FORCING_VARIABLES):
