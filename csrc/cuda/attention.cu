@@ -4,8 +4,9 @@
 // csrc/cpu/attention.cpp: lse +inf and a zero output for a query row with no kept key, its dropout keep
 // decisions (csrc/cpu/dropout.h, hashed from (sequence, head, query, key)), its D for backward
 // (sum_j P_dropped dP recomputed in fp32 from the P and dP that dS uses, never rowsum(dO * O), whose
-// rounding would not cancel where softmax is nearly one-hot), and exactly zero q/k gradients when one
-// key is kept.
+// rounding would not cancel where softmax is nearly one-hot), its dominant-key correction (a row's dS
+// sums to zero, so the dS of a key with P > 1/2, whose dP - D cancels to a few ulps, is taken as minus the
+// others' sum), and exactly zero q/k gradients when one key is kept.
 //
 // A first version: fp32 FMA on shared-memory tiles, no tensor cores (wmma/mma for fp16/bf16 is the next
 // step). A block is 256 threads, 16 x 16: thread (ty, tx) owns rows ty + 16 i and columns tx + 16 j of
@@ -44,11 +45,11 @@ __host__ __device__ constexpr int stream_rows() {
 }
 
 // Shared memory: `own` tiles of kRows x (D + 1) floats (+1: rows start in different banks), one
-// streamed tile, a kRows x streamed score tile, and two vectors of streamed length.
+// streamed tile, a kRows x streamed score tile, and up to four vectors of streamed length.
 template <int D>
 constexpr size_t smem_bytes(int own) {
   constexpr int n = stream_rows<D>();
-  return size_t(own * kRows * (D + 1) + n * (D + 1) + kRows * (n + 1) + 2 * n) * sizeof(float);
+  return size_t(own * kRows * (D + 1) + n * (D + 1) + kRows * (n + 1) + 4 * n) * sizeof(float);
 }
 
 struct Params {
@@ -56,6 +57,8 @@ struct Params {
   AttentionTensor q, k, v, out, grad, dq, dk, dv;
   float* lse;    // [B, heads, S] or [heads, T]
   float* delta;  // backward's D, laid out like lse
+  float* ds_rest;   // backward: a row's dS summed over all keys but its dominant one, laid out like lse
+  float* dominant;  // backward: a row's dominant key (P > 1/2) as a float index (exact), -1 for none
   float scale;
   Dropout dropout;
 };
@@ -294,7 +297,8 @@ __device__ void probs_and_grads(const Params& p, const Seq& s, int64_t h, int64_
 }
 
 // dQ = scale * dS K with dS = P * (dP_dropped - D), per block of 64 query rows; also writes D =
-// sum_j P_dropped dP for dkdv_kernel (one more pass over the keys, as the CPU kernel does).
+// sum_j P_dropped dP (one more pass over the keys, as the CPU kernel does), each row's dominant key and
+// the others' dS for dkdv_kernel.
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) dq_kernel(Params p) {
   constexpr int N = stream_rows<D>(), LD = D + 1, LT = N + 1, RI = kRows / 16, CJ = N / 16, DJ = D / 16;
@@ -312,12 +316,13 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(Params p) {
   load_tile<T, D, kRows>(sQ, row_ptr<T>(p.q, s, h, q0), p.q.row, s.length - q0, d);
   load_tile<T, D, kRows>(sG, row_ptr<T>(p.grad, s, h, q0), p.grad.row, s.length - q0, d);
   __syncthreads();
-  float lse[RI], delta[RI];
+  float lse[RI], delta[RI], dom[RI];  // dom: the row's dominant key (P > 1/2), -1 for none
 #pragma unroll
   for (int i = 0; i < RI; ++i) {
     const int64_t r = q0 + ty + 16 * i;
     lse[i] = r < s.length ? p.lse[lse_index(p.batch, s, h, r)] : kInf;
     delta[i] = 0.f;
+    dom[i] = -1.f;
   }
   float pr[RI][CJ], dp[RI][CJ];
   if (!keys.single) {
@@ -329,6 +334,9 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(Params p) {
 #pragma unroll
         for (int j = 0; j < CJ; ++j) {
           float e = pr[i][j];
+          // The largest index where rounding puts two tied keys just above 1/2: one key a row, as in
+          // every kernel, so that dkdv_kernel corrects the very key this one did.
+          if (pr[i][j] > 0.5f) dom[i] = fmaxf(dom[i], float(kb + tx + 16 * j));
           if (p.dropout.on() && e != 0.f) e = p.dropout.keep(s.i, h, r, kb + tx + 16 * j) ? e * p.dropout.scale() : 0.f;
           delta[i] = fmaf(e, dp[i][j], delta[i]);
         }
@@ -338,11 +346,15 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(Params p) {
 #pragma unroll
   for (int i = 0; i < RI; ++i) {
     delta[i] = keys.single ? 0.f : row_sum(delta[i]);
+    dom[i] = row_max(dom[i]);
     const int64_t r = q0 + ty + 16 * i;
     if (tx == 0 && r < s.length) p.delta[lse_index(p.batch, s, h, r)] = delta[i];
   }
 
-  float dq[RI][DJ] = {};
+  // A row's dS sums to zero (sum P = 1), and the dominant key's own dP - D cancels to a few ulps: its dS
+  // is taken as minus the others' sum. dQ gets sum_j dS_j k_j - (sum_j dS_j) k_dom, which is that, and
+  // dkdv_kernel gets the others' sum and the key.
+  float dq[RI][DJ] = {}, ds_total[RI] = {}, ds_dom[RI] = {};
   if (!keys.single) {  // softmax over one key is constant: dQ stays exactly zero
     for (int64_t kb = 0; kb < keys.visit; kb += N) {
       const int64_t nk = keys.visit - kb < N ? keys.visit - kb : N;
@@ -356,13 +368,34 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(Params p) {
           if (p.dropout.on() && pr[i][j] != 0.f) {
             g = p.dropout.keep(s.i, h, r, kb + tx + 16 * j) ? g * p.dropout.scale() : 0.f;
           }
-          sS[(ty + 16 * i) * LT + tx + 16 * j] = pr[i][j] * (g - delta[i]);
+          const float ds = pr[i][j] * (g - delta[i]);
+          sS[(ty + 16 * i) * LT + tx + 16 * j] = ds;
+          ds_total[i] += ds;
+          if (float(kb + tx + 16 * j) == dom[i]) ds_dom[i] += ds;
         }
       }
       __syncthreads();  // everyone is done with V
       load_tile<T, D, N>(sKV, row_ptr<T>(p.k, s, h, kb), p.k.row, nk, d);
       __syncthreads();
       tile_product<RI, DJ, N>(dq, sS, LT, sKV, LD, 1);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < RI; ++i) {
+    ds_total[i] = row_sum(ds_total[i]);
+    ds_dom[i] = row_sum(ds_dom[i]);
+    const int64_t r = q0 + ty + 16 * i;
+    if (r >= s.length) continue;
+    if (dom[i] >= 0.f) {
+      const T* k_dom = row_ptr<T>(p.k, s, h, int64_t(dom[i]));
+#pragma unroll
+      for (int c = 0; c < DJ; ++c) {
+        if (tx + 16 * c < d) dq[i][c] -= ds_total[i] * to_float(k_dom[tx + 16 * c]);
+      }
+    }
+    if (tx == 0) {
+      p.ds_rest[lse_index(p.batch, s, h, r)] = ds_total[i] - ds_dom[i];
+      p.dominant[lse_index(p.batch, s, h, r)] = dom[i];
     }
   }
   store_rows<T>(p.dq, s, h, q0, dq, p.scale, d);
@@ -380,6 +413,8 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Params p) {
   float* sS = sQG + N * LD;         // [kRows][LT] P_dropped^T, then dS^T
   float* sLse = sS + kRows * LT;    // [N] the query tile's lse (+inf past the sequence)
   float* sDelta = sLse + N;         // [N] and its D
+  float* sDom = sDelta + N;         // [N] its rows' dominant keys (-1 for none), from dq_kernel
+  float* sRest = sDom + N;          // [N] and their dS summed over the other keys
   const Seq s = locate(p.batch);
   if (!live(s)) return;  // the whole block
   const int ty = threadIdx.x >> 4, tx = threadIdx.x & 15, d = int(p.batch.head_dim);
@@ -399,6 +434,8 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Params p) {
       for (int r = threadIdx.x; r < N; r += kThreads) {
         sLse[r] = r < nq ? p.lse[lse_index(p.batch, s, h, qb + r)] : kInf;
         sDelta[r] = r < nq ? p.delta[lse_index(p.batch, s, h, qb + r)] : 0.f;
+        sDom[r] = r < nq ? p.dominant[lse_index(p.batch, s, h, qb + r)] : -1.f;
+        sRest[r] = r < nq ? p.ds_rest[lse_index(p.batch, s, h, qb + r)] : 0.f;
       }
       __syncthreads();
       float pr[RI][CJ] = {}, dp[RI][CJ] = {};
@@ -422,7 +459,8 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Params p) {
             g = keep ? g * p.dropout.scale() : 0.f;
           }
           sS[(ty + 16 * i) * LT + tx + 16 * j] = e;
-          dp[i][j] = keys.single ? 0.f : pr[i][j] * (g - sDelta[tx + 16 * j]);  // dS
+          const bool dominant = float(k0 + ty + 16 * i) == sDom[tx + 16 * j];  // see dq_kernel
+          dp[i][j] = keys.single ? 0.f : dominant ? -sRest[tx + 16 * j] : pr[i][j] * (g - sDelta[tx + 16 * j]);  // dS
         }
       }
       __syncthreads();
@@ -499,12 +537,13 @@ int64_t lse_count(const AttentionBatch& b) {
 cudaError_t attention_fwd(DType dtype, const AttentionBatch& batch, AttentionTensor q, AttentionTensor k,
                           AttentionTensor v, AttentionTensor out, float* lse, float scale, float dropout_p,
                           uint64_t seed, cudaStream_t stream) {
-  const Params p{batch, q, k, v, out, {}, {}, {}, {}, lse, nullptr, scale, Dropout{dropout_p, seed}};
+  const Params p{batch, q, k, v, out, {}, {}, {}, {}, lse, nullptr, nullptr, nullptr, scale, Dropout{dropout_p, seed}};
   return run(dtype, true, p, stream);
 }
 
 size_t attention_bwd_workspace_bytes(const AttentionBatch& batch) {
-  return batch.sequences > 0 && batch.heads > 0 && batch.tokens > 0 ? size_t(lse_count(batch)) * sizeof(float) : 0;
+  // D, the others' dS and the dominant key, each laid out like lse
+  return batch.sequences > 0 && batch.heads > 0 && batch.tokens > 0 ? 3 * size_t(lse_count(batch)) * sizeof(float) : 0;
 }
 
 cudaError_t attention_bwd(DType dtype, const AttentionBatch& batch, AttentionTensor grad, AttentionTensor q,
@@ -513,8 +552,10 @@ cudaError_t attention_bwd(DType dtype, const AttentionBatch& batch, AttentionTen
                           size_t workspace_bytes, float scale, float dropout_p, uint64_t seed,
                           cudaStream_t stream) {
   if (workspace_bytes < attention_bwd_workspace_bytes(batch)) return cudaErrorInvalidValue;
+  float* rows = static_cast<float*>(workspace);
+  const int64_t count = lse_count(batch);
   const Params p{batch, q, k, v, out, grad, dq, dk, dv, const_cast<float*>(lse) /* only read */,
-                 static_cast<float*>(workspace), scale, Dropout{dropout_p, seed}};
+                 rows, rows + count, rows + 2 * count, scale, Dropout{dropout_p, seed}};
   return run(dtype, false, p, stream);
 }
 

@@ -130,7 +130,13 @@ def check_parity(spec: Spec, backend: str, dtype: torch.dtype, args, kwargs, var
         backwards = [c for c in calls if c[0].endswith(".backward")]
         assert backwards and {c[1] for c in backwards} == {backend}, f"backward calls: {backwards}"
         assert spec.op + ".backward" in {c[0] for c in backwards}, f"{spec.op}'s backward not recorded: {backwards}"
+    compare_with_reference(spec, dtype, args, kwargs, outs, grads, grad_outs)
+    return outs
 
+
+def compare_with_reference(spec: Spec, dtype: torch.dtype, args, kwargs, outs, grads, grad_outs):
+    """Outputs and input gradients (from forward_backward on args, kwargs) against the float64 reference,
+    with plain PyTorch in `dtype` as the naive bound."""
     ref_args = spec.ref_args(args)
     truth_outs, truth_grads, _ = forward_backward(spec.ref, upcast(*ref_args), kwargs, [g.double() for g in grad_outs])
     naive_outs, naive_grads, _ = forward_backward(spec.ref, clones(ref_args), kwargs, grad_outs)
@@ -140,7 +146,6 @@ def check_parity(spec: Spec, backend: str, dtype: torch.dtype, args, kwargs, var
     floor = grad_floor(dtype, truth_grads)
     for i, (g, t, n) in enumerate(zip(grads, truth_grads, naive_grads)):
         assert_close(g, t, dtype, "grad", naive=n, name=f"{spec.op} grad of input {i}", floor=floor)
-    return outs
 
 
 def check_inference_parity(spec: Spec, dtype: torch.dtype, args, kwargs, variant: str):

@@ -2,6 +2,7 @@
 every backend against the float64 reference; their fused dropout on cpu, triton and cuda."""
 import sys
 
+import emulated_cuda
 import pytest
 import torch
 
@@ -10,9 +11,9 @@ from fastbert.ops import reference
 from fastbert.testing import assert_close, assert_ran, grad_floor, poison_outputs, upcast
 from grids import DTYPES, KERNEL_BACKENDS, skip_unless_runnable, skip_unless_variant
 from harness import (CPU_DTYPES, SEEDS, Case, OpCheck, Spec, assert_independent, assert_keep_rate, bad_input_test,
-                     check_case, check_example, check_parity, check_with_mask, compare_cpu, cpu_keep_mask, cu_seqlens, dtype_id,
-                     grid, leaf, needs_cpu_kernels, needs_cuda, opcheck_test, padding_mask, parity_tests, randn,
-                     seed_tensor, st, variant_parity_test)
+                     check_case, check_example, check_parity, check_with_mask, compare_cpu, compare_with_reference,
+                     cpu_keep_mask, cu_seqlens, dtype_id, forward_backward, grid, leaf, needs_cpu_kernels, needs_cuda,
+                     opcheck_test, padding_mask, parity_tests, randn, seed_tensor, st, variant_parity_test)
 
 MASKS = ("none", "lengths", "random", "one_kept", "fully_masked", "mixed")
 MASK_DTYPES = (torch.bool, torch.int64, torch.float32)
@@ -395,19 +396,11 @@ SHARP_SHORT_ROWS = [
 ]
 
 
-NOT_YET_CORRECTED = "its backward lacks the dominant-key correction (the cpu and triton kernels', 2026-12-01)"
+SHARP_IDS = [f"s{p['seq']}d{p['head_dim']}-{p['mask']}" for p in SHARP_SHORT_ROWS]
 
 
-def _sharp_cases():
-    for backend in KERNEL_BACKENDS:
-        for p in SHARP_SHORT_ROWS:
-            marks = ()
-            if backend == "cuda":  # not yet run on a GPU
-                marks = pytest.mark.xfail(reason=NOT_YET_CORRECTED, strict=False)
-            yield pytest.param(backend, p, marks=marks, id=f"{backend}-s{p['seq']}d{p['head_dim']}-{p['mask']}")
-
-
-@pytest.mark.parametrize("backend,p", list(_sharp_cases()))
+@pytest.mark.parametrize("p", SHARP_SHORT_ROWS, ids=SHARP_IDS)
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_sharp_short_rows(backend, p):
     device = skip_unless_runnable("attention", backend, torch.float32)
     check_example(ATTENTION, backend, torch.float32, device, p)
@@ -415,12 +408,18 @@ def test_sharp_short_rows(backend, p):
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_two_tied_dominant_keys(backend):
+    device = skip_unless_runnable("attention", backend, torch.float32)
+    with dispatch.use_backend(backend, op="attention"), dispatch.record() as calls:
+        check_two_tied_dominant_keys(ops.attention, device)
+    assert_ran(calls, "attention", backend)
+
+
+def check_two_tied_dominant_keys(attention, device="cpu"):
     """Keys 0 and 1 are equal and hold nearly all of every row's mass, so each P rounds to about 1/2, some
     just above: the dominant-key correction must take one key per row, never both (a threshold tested
     in two kernels could mark both and zero their dS, so dK went wrong). dq is left out: it is nearly
     zero here (the tied keys' dS cancel), and both kernels' dq sits 10-30x further from it than plain
-    PyTorch's (not yet solved: see the session note of 2026-12-01)."""
-    device = skip_unless_runnable("attention", backend, torch.float32)
+    PyTorch's (not yet solved: see the session note of 2026-12-01). `attention(q, k, v)`: the kernel."""
     g = torch.Generator().manual_seed(20261201)
     b, h, s, d = 4, 4, 8, 16
     base = torch.randn(b, h, 1, d, generator=g)
@@ -430,10 +429,9 @@ def test_two_tied_dominant_keys(backend):
     k = k.to(device).requires_grad_()
     v = torch.randn(b, h, s, d, generator=g).to(device).requires_grad_()
     grad_out = torch.randn(b, h, s, d, generator=g).to(device)
-    with dispatch.use_backend(backend, op="attention"), dispatch.record() as calls, poison_outputs():
-        out = ops.attention(q, k, v)
+    with poison_outputs():
+        out = attention(q, k, v)
         grads = torch.autograd.grad(out, (q, k, v), grad_out)
-    assert_ran(calls, "attention", backend)
     truth_in = upcast(q, k, v)
     truth = reference.attention(*truth_in)
     truth_grads = torch.autograd.grad(truth, truth_in, grad_out.double())
@@ -813,3 +811,90 @@ def test_brgemm_is_refused_where_its_check_against_the_cpp_kernel_fails(monkeypa
         attention_module._brgemm_machine_reasons.cache_clear()
         dispatch._choices.clear()
     assert attention_module._brgemm_machine_reasons() == ()
+
+
+# ------------------------------------------------------------------------------ cuda, emulated on the CPU
+# csrc/cuda/attention.cu compiled for tests/emulated_cuda.py's emulation of CUDA's execution model (each GPU
+# thread an OS thread): the kernels' logic, forward and backward, on every machine, GPU or not. What only a
+# GPU shows (its memory model, speed) is the GPU run's (benchmarks/gpu_check.sh).
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    """The CUDA kernels' autograd function (emulated_cuda.attention_function)."""
+    why = emulated_cuda.compiler_missing()
+    if why:
+        pytest.skip(why)
+    return emulated_cuda.attention_function(emulated_cuda.build(tmp_path_factory.mktemp("emulated-cuda")))
+
+
+def _scale(q, scale):
+    return q.shape[-1] ** -0.5 if scale is None else float(scale)
+
+
+def _as_public(function, spec):
+    """spec.public's signature (no dropout) on the emulated kernels."""
+    if spec is VARLEN:
+        return lambda q, k, v, cu, max_seqlen, scale=None: function(q, k, v, None, cu, _scale(q, scale), 0.0, 0)
+    return lambda q, k, v, attention_mask=None, scale=None: function(
+        q, k, v, None if attention_mask is None else attention_mask.bool(), None, _scale(q, scale), 0.0, 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("spec,case", GRID, ids=GRID_IDS)
+def test_emulated_cuda_parity(emulated, spec, case, dtype):
+    args, kwargs = case.make(dtype, "cpu")
+    outs, grads, grad_outs = forward_backward(_as_public(emulated, spec), args, kwargs)
+    compare_with_reference(spec, dtype, args, kwargs, outs, grads, grad_outs)
+
+
+@pytest.mark.parametrize("p", SHARP_SHORT_ROWS, ids=SHARP_IDS)
+def test_emulated_cuda_sharp_short_rows(emulated, p):
+    """The dominant-key correction in attention.cu's backward (these fail without it)."""
+    torch.manual_seed(p["seed"])
+    args, kwargs = ATTENTION.build(p, torch.float32, "cpu")
+    outs, grads, grad_outs = forward_backward(_as_public(emulated, ATTENTION), args, kwargs)
+    compare_with_reference(ATTENTION, torch.float32, args, kwargs, outs, grads, grad_outs)
+    ATTENTION.check_example(p, args, kwargs, outs)
+
+
+def test_emulated_cuda_two_tied_dominant_keys(emulated):
+    check_two_tied_dominant_keys(_as_public(emulated, ATTENTION))
+
+
+def test_emulated_cuda_single_key_gives_exactly_zero_q_and_k_gradients(emulated):
+    q, k, v = (torch.randn(2, 2, 9, 64, requires_grad=True) for _ in range(3))
+    mask = torch.zeros(2, 9, dtype=torch.bool)
+    mask[0, 4] = mask[1, 8] = True
+    dq, dk, dv = torch.autograd.grad(emulated(q, k, v, mask, None, 0.125, 0.0, 0), (q, k, v), torch.randn(2, 2, 9, 64))
+    assert not dq.any() and not dk.any() and dv.any()
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["padded", "varlen"])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_emulated_cuda_dropout_matches_the_cpu_kernel(emulated, varlen, head_dim):
+    """One seed, the same kept probabilities as the cpu kernel (csrc/cpu/dropout.h on both sides): float32
+    outputs and gradients agree to rounding (a different mask would be off by tens of percent)."""
+    if dispatch.machine_reasons("cpu"):
+        pytest.skip("; ".join(dispatch.machine_reasons("cpu")))
+    g = torch.Generator().manual_seed(head_dim)
+    if varlen:
+        lengths = [70, 0, 1, 130]
+        q, k, v, grad = (torch.randn(sum(lengths), 2, head_dim, generator=g) for _ in range(4))
+        mask, cu, max_seqlen = None, cu_seqlens(lengths), max(lengths)
+    else:
+        q, k, v, grad = (torch.randn(2, 3, 97, head_dim, generator=g) for _ in range(4))
+        mask, cu, max_seqlen = torch.ones(2, 97, dtype=torch.bool), None, 97
+        mask[1, 60:] = False
+    seed, scale = 4321, head_dim**-0.5
+    results = []
+    for kernel in (lambda *a: torch.ops.fastbert.attention_cxx(*a, max_seqlen, scale, 0.3, torch.tensor(seed))[0],
+                   lambda *a: emulated(*a, scale, 0.3, seed)):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        with poison_outputs():
+            out = kernel(*inputs, mask, cu)
+            results.append([out.detach(), *torch.autograd.grad(out, inputs, grad)])
+    floor = grad_floor(torch.float32, results[0][1:])
+    for i, (got, want) in enumerate(zip(results[1], results[0])):
+        assert_close(got, want.double(), torch.float32, "matmul" if i == 0 else "grad", name=f"result {i}",
+                     floor=floor if i else 0.0)

@@ -1,0 +1,132 @@
+"""csrc/cuda's kernels run on the CPU under an emulation of CUDA's execution model (tests/cuda_on_cpu:
+each GPU thread an OS thread, barriers for __syncthreads and shuffles), so their logic is tested on every
+machine, GPU or not. `build(directory)` compiles them with the host C++ compiler; the wrappers below take
+CPU tensors and mirror csrc/cuda/bindings.cpp's calls."""
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIM = Path(__file__).resolve().parent / "cuda_on_cpu"
+DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # launchers.h's DType
+
+
+def _patched(source: str) -> str:
+    """The two constructs a C++ compiler cannot take: dynamic shared memory and the launch syntax."""
+    source = re.sub(r"extern\s+__shared__\s+(\w+)\s+(\w+)\[\];", r"\1* \2 = ::emulate::dynamic_shared<\1>();", source)
+    return re.sub(r"([\w:]+(?:<[^<>;]*>)?)<<<(.*?)>>>\(", r"::emulate::launch(\1, \2, ", source)
+
+
+def compiler_missing() -> str | None:
+    """Why the emulated kernels cannot be built here, or None."""
+    return None if shutil.which("g++") else "g++ is not on PATH"
+
+
+def build(directory: Path) -> ctypes.CDLL:
+    """Compiles csrc/cuda/*.cu (patched copies) with the emulator and the C entry points into a library."""
+    sources = directory / "csrc"
+    (sources / "cuda").mkdir(parents=True, exist_ok=True)
+    (sources / "cpu").mkdir(exist_ok=True)
+    shutil.copy(ROOT / "csrc" / "cpu" / "dropout.h", sources / "cpu")
+    for path in (ROOT / "csrc" / "cuda").iterdir():
+        if path.suffix in (".cu", ".cuh", ".h"):
+            (sources / "cuda" / path.name).write_text(_patched(path.read_text()))
+    units = [*sorted((sources / "cuda").glob("*.cu")), SHIM / "driver.cpp"]
+    flags = ["-std=c++20", "-O1", "-fPIC", "-pthread", "-w", f"-I{SHIM}", f"-I{sources / 'cuda'}"]
+
+    def compile_unit(unit: Path) -> Path:
+        obj = directory / (unit.stem + ".o")
+        cmd = ["g++", *flags, "-x", "c++", "-c", str(unit), "-o", str(obj)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr[-4000:]}"
+        return obj
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        objects = list(pool.map(compile_unit, units))
+    library = directory / "libemulated_cuda.so"
+    cmd = ["g++", "-shared", "-pthread", *map(str, objects), "-o", str(library)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr[-4000:]}"
+    return _declare(ctypes.CDLL(str(library)))
+
+
+class AttentionBatch(ctypes.Structure):
+    _fields_ = [("sequences", ctypes.c_int64), ("heads", ctypes.c_int64), ("tokens", ctypes.c_int64),
+                ("head_dim", ctypes.c_int64), ("key_mask", ctypes.c_void_p), ("cu_seqlens", ctypes.c_void_p)]
+
+
+class AttentionTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("seq", ctypes.c_int64), ("head", ctypes.c_int64), ("row", ctypes.c_int64)]
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    batch, tensors, f32 = ctypes.POINTER(AttentionBatch), ctypes.POINTER(AttentionTensor), ctypes.c_float
+    lib.emulated_attention_fwd.argtypes = [ctypes.c_int, batch, tensors, ctypes.c_void_p, f32, f32, ctypes.c_uint64]
+    lib.emulated_attention_bwd_workspace_bytes.argtypes = [batch]
+    lib.emulated_attention_bwd_workspace_bytes.restype = ctypes.c_size_t
+    lib.emulated_attention_bwd.argtypes = [ctypes.c_int, batch, tensors, ctypes.c_void_p, ctypes.c_void_p,
+                                           ctypes.c_size_t, f32, f32, ctypes.c_uint64]
+    return lib
+
+
+def _tensors(*ts):
+    """bindings.cpp's attn_tensor for each: [B, heads, S, d] or [T, heads, d]."""
+    return (AttentionTensor * len(ts))(*(
+        AttentionTensor(t.data_ptr(), *((t.stride(0), t.stride(1), t.stride(2)) if t.dim() == 4
+                                        else (0, t.stride(1), t.stride(0)))) for t in ts))
+
+
+def _batch(q, key_mask, cu_seqlens):
+    """bindings.cpp's attn_batch; the tensors it points into are the caller's to keep alive."""
+    if q.dim() == 4:
+        return AttentionBatch(q.shape[0], q.shape[1], q.shape[2], q.shape[3],
+                              None if key_mask is None else key_mask.data_ptr(), None)
+    return AttentionBatch(cu_seqlens.numel() - 1, q.shape[1], q.shape[0], q.shape[2], None, cu_seqlens.data_ptr())
+
+
+def _check(code: int, what: str) -> None:
+    assert code == 0, f"emulated {what}: cudaError {code}"
+
+
+def attention_function(lib: ctypes.CDLL):
+    """An autograd function (q, k, v, key_mask, cu_seqlens, scale, dropout_p, seed) -> out that runs the
+    CUDA kernels forward and backward: key_mask a bool [B, S] or None for q, k, v [B, heads, S, d];
+    cu_seqlens int32 [B + 1] for q, k, v [T, heads, d]."""
+
+    class EmulatedCudaAttention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, key_mask, cu_seqlens, scale, dropout_p, seed):
+            q, k, v = (t.contiguous() for t in (q, k, v))
+            mask = None if key_mask is None else key_mask.to(torch.uint8).contiguous()
+            cu = None if cu_seqlens is None else cu_seqlens.to(torch.int32).contiguous()
+            out = torch.full_like(q, float("nan"))
+            lse = torch.full(q.shape[:-1] if q.dim() == 4 else (q.shape[1], q.shape[0]), float("nan"))
+            batch = _batch(q, mask, cu)
+            _check(lib.emulated_attention_fwd(DTYPES[q.dtype], ctypes.byref(batch), _tensors(q, k, v, out),
+                                              lse.data_ptr(), scale, dropout_p, seed), "attention_fwd")
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.mask, ctx.cu, ctx.scale, ctx.dropout_p, ctx.seed = mask, cu, scale, dropout_p, seed
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            q, k, v, out, lse = ctx.saved_tensors
+            grad = grad.contiguous()
+            dq, dk, dv = (torch.full_like(q, float("nan")) for _ in range(3))
+            batch = _batch(q, ctx.mask, ctx.cu)
+            size = lib.emulated_attention_bwd_workspace_bytes(ctypes.byref(batch))
+            workspace = torch.full((max(size // 4, 1),), float("nan"))  # poisoned, as the GPU's is garbage
+            _check(lib.emulated_attention_bwd(DTYPES[q.dtype], ctypes.byref(batch), _tensors(grad, q, k, v, out, dq, dk, dv),
+                                              lse.data_ptr(), workspace.data_ptr(), size, ctx.scale, ctx.dropout_p,
+                                              ctx.seed), "attention_bwd")
+            return dq, dk, dv, None, None, None, None, None
+
+    return EmulatedCudaAttention.apply
