@@ -31,3 +31,14 @@ def _seed(request):
     salt = os.environ.get("FASTBERT_TEST_SEED", "")
     torch.manual_seed(zlib.crc32((request.node.nodeid + salt).encode()))
     yield
+
+
+@pytest.fixture(scope="session")
+def emulated_cuda_library(tmp_path_factory):
+    """csrc/cuda's kernels built for the CPU emulator (tests/emulated_cuda.py), once per run."""
+    import emulated_cuda
+
+    why = emulated_cuda.compiler_missing()
+    if why:
+        pytest.skip(why)
+    return emulated_cuda.build(tmp_path_factory.mktemp("emulated-cuda"))

@@ -40,7 +40,7 @@ def build(directory: Path) -> ctypes.CDLL:
         if path.suffix in (".cu", ".cuh", ".h"):
             (sources / "cuda" / path.name).write_text(_patched(path.read_text()))
     units = [*sorted((sources / "cuda").glob("*.cu")), SHIM / "driver.cpp"]
-    flags = ["-std=c++20", "-O1", "-fPIC", "-pthread", "-w", f"-I{SHIM}", f"-I{sources / 'cuda'}"]
+    flags = ["-std=c++20", "-O1", "-fPIC", "-w", f"-I{SHIM}", f"-I{sources / 'cuda'}"]
 
     def compile_unit(unit: Path) -> Path:
         obj = directory / (unit.stem + ".o")
@@ -52,7 +52,7 @@ def build(directory: Path) -> ctypes.CDLL:
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         objects = list(pool.map(compile_unit, units))
     library = directory / "libemulated_cuda.so"
-    cmd = ["g++", "-shared", "-pthread", *map(str, objects), "-o", str(library)]
+    cmd = ["g++", "-shared", *map(str, objects), "-o", str(library)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr[-4000:]}"
     return _declare(ctypes.CDLL(str(library)))
@@ -74,7 +74,92 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.emulated_attention_bwd_workspace_bytes.restype = ctypes.c_size_t
     lib.emulated_attention_bwd.argtypes = [ctypes.c_int, batch, tensors, ctypes.c_void_p, ctypes.c_void_p,
                                            ctypes.c_size_t, f32, f32, ctypes.c_uint64]
+    i64, ptr, ptrs = ctypes.c_int64, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)
+    lib.emulated_add_layer_norm_fwd.argtypes = [ctypes.c_int, ptrs, ptr, ptr, i64, i64, f32, f32, ctypes.c_uint64]
+    lib.emulated_add_layer_norm_bwd_workspace_bytes.argtypes = [i64, i64, ctypes.c_int]
+    lib.emulated_add_layer_norm_bwd_workspace_bytes.restype = ctypes.c_size_t
+    lib.emulated_add_layer_norm_bwd.argtypes = [ctypes.c_int, ptrs, ptr, ptr, ptr, ptr, ptr, ctypes.c_size_t, i64, i64,
+                                                f32, ctypes.c_uint64, ctypes.c_int]
+    lib.emulated_bias_gelu_fwd.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, i64, ctypes.c_bool]
+    lib.emulated_bias_gelu_bwd.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_bool]
     return lib
+
+
+def _pointers(*ts):
+    return (ctypes.c_void_p * len(ts))(*(None if t is None else t.data_ptr() for t in ts))
+
+
+def _poisoned(t):
+    return torch.full_like(t, float("nan"))
+
+
+SM_COUNT = 3  # the GPU's multiprocessor count, which sizes add_layer_norm's backward grid: a few, so rows share blocks
+
+
+def add_layer_norm_function(lib: ctypes.CDLL):
+    """An autograd function (x, residual, weight, bias, eps, dropout_p, seed) -> LayerNorm(dropout(x) +
+    residual) * weight + bias over rows of a 2-d x, on the CUDA kernels."""
+
+    class EmulatedCudaAddLayerNorm(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, residual, weight, bias, eps, dropout_p, seed):
+            x, residual, weight, bias = (t.contiguous() for t in (x, residual, weight, bias))
+            rows, n = x.shape
+            out = _poisoned(x)
+            mean, rstd = (torch.full((rows,), float("nan")) for _ in range(2))
+            _check(lib.emulated_add_layer_norm_fwd(DTYPES[x.dtype], _pointers(x, residual, weight, bias, out),
+                                                   mean.data_ptr(), rstd.data_ptr(), rows, n, eps, dropout_p, seed),
+                   "add_layer_norm_fwd")
+            ctx.save_for_backward(x, residual, weight, mean, rstd)
+            ctx.dropout_p, ctx.seed = dropout_p, seed
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            x, residual, weight, mean, rstd = ctx.saved_tensors
+            rows, n = x.shape
+            grad_h = _poisoned(x)
+            grad_x = _poisoned(x) if ctx.dropout_p > 0 else None
+            grad_weight, grad_bias = (torch.full((n,), float("nan")) for _ in range(2))
+            size = lib.emulated_add_layer_norm_bwd_workspace_bytes(rows, n, SM_COUNT)
+            workspace = torch.full((max(size // 4, 1),), float("nan"))
+            _check(lib.emulated_add_layer_norm_bwd(DTYPES[x.dtype], _pointers(grad.contiguous(), x, residual, weight,
+                                                                              grad_h, grad_x),
+                                                   mean.data_ptr(), rstd.data_ptr(), grad_weight.data_ptr(),
+                                                   grad_bias.data_ptr(), workspace.data_ptr(), size, rows, n,
+                                                   ctx.dropout_p, ctx.seed, SM_COUNT), "add_layer_norm_bwd")
+            return (grad_h if grad_x is None else grad_x), grad_h, grad_weight.to(x.dtype), grad_bias.to(x.dtype), \
+                None, None, None
+
+    return EmulatedCudaAddLayerNorm.apply
+
+
+def bias_gelu_function(lib: ctypes.CDLL):
+    """An autograd function (x, bias, approximate) -> gelu(x + bias) over rows of x's last dimension, on the
+    CUDA kernels."""
+
+    class EmulatedCudaBiasGelu(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, bias, approximate):
+            x, bias = x.contiguous(), bias.contiguous()
+            out = _poisoned(x)
+            n = x.shape[-1]
+            _check(lib.emulated_bias_gelu_fwd(DTYPES[x.dtype], x.data_ptr(), bias.data_ptr(), out.data_ptr(),
+                                              x.numel() // n, n, approximate == "tanh"), "bias_gelu_fwd")
+            ctx.save_for_backward(x, bias)
+            ctx.approximate = approximate
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            x, bias = ctx.saved_tensors
+            grad_x, n = _poisoned(x), x.shape[-1]
+            _check(lib.emulated_bias_gelu_bwd(DTYPES[x.dtype], grad.contiguous().data_ptr(), x.data_ptr(),
+                                              bias.data_ptr(), grad_x.data_ptr(), x.numel() // n, n,
+                                              ctx.approximate == "tanh"), "bias_gelu_bwd")
+            return grad_x, grad_x.reshape(-1, n).sum(0, dtype=torch.float32).to(bias.dtype), None  # as ops/bias_gelu.py
+
+    return EmulatedCudaBiasGelu.apply
 
 
 def _tensors(*ts):

@@ -148,6 +148,22 @@ def compare_with_reference(spec: Spec, dtype: torch.dtype, args, kwargs, outs, g
         assert_close(g, t, dtype, "grad", naive=n, name=f"{spec.op} grad of input {i}", floor=floor)
 
 
+def emulated_cuda_parity_test(specs, public: Callable):
+    """A parity test of csrc/cuda's kernels under the CPU emulator (tests/emulated_cuda.py) on the specs'
+    grid, every dtype, forward and every gradient: `public(library, spec)` is spec.public's signature on
+    the emulated library's kernels."""
+    pairs, ids = grid(*specs)
+
+    @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+    @pytest.mark.parametrize("spec,case", pairs, ids=ids)
+    def test_emulated_cuda_parity(emulated_cuda_library, spec, case, dtype):
+        args, kwargs = case.make(dtype, "cpu")
+        outs, grads, grad_outs = forward_backward(public(emulated_cuda_library, spec), args, kwargs)
+        compare_with_reference(spec, dtype, args, kwargs, outs, grads, grad_outs)
+
+    return test_emulated_cuda_parity
+
+
 def check_inference_parity(spec: Spec, dtype: torch.dtype, args, kwargs, variant: str):
     """For ops that keep packed weights (a `prepared` argument): the cpu `variant`, forced, in eager
     inference with a PreparedWeights (the path a model's forward takes, packed copies and in-place

@@ -1,5 +1,6 @@
 """add_layer_norm: layer_norm(dropout(x) + residual), on every backend against the float64 reference;
 its fused dropout on cpu, triton and cuda."""
+import emulated_cuda
 import pytest
 import torch
 
@@ -8,7 +9,8 @@ from fastbert.ops import reference
 from fastbert.testing import assert_close, assert_ran, poison_outputs, upcast
 from grids import DTYPES, skip_unless_runnable
 from harness import (CPU_DTYPES, HIDDEN, SEEDS, SMALL_HIDDEN, Case, OpCheck, Spec, assert_independent,
-                     assert_keep_rate, bad_input_test, check_with_mask, compare_cpu, cpu_keep_mask, dtype_id, leaf,
+                     assert_keep_rate, bad_input_test, check_with_mask, compare_cpu, cpu_keep_mask, dtype_id,
+                     emulated_cuda_parity_test, leaf,
                      needs_cpu_kernels, needs_cuda, opcheck_test, parity_tests, randn, seed_tensor, st)
 
 
@@ -415,3 +417,18 @@ def test_quantized_output_is_not_served_by_triton():
     reasons = dispatch.not_supported_reasons("add_layer_norm", "triton", {
         "tensors": (torch.randn(2, 8),), "quantize_output": True}, forced=True)
     assert reasons == ["quantize_output (this backend cannot return its output as QuantizedRows)"]
+
+
+def _emulated_public(library, spec):
+    """ops.add_layer_norm's signature (no dropout) on csrc/cuda/add_layer_norm.cu under the CPU emulator."""
+    function = emulated_cuda.add_layer_norm_function(library)
+
+    def add_layer_norm(x, residual, weight, bias, eps):
+        n = x.shape[-1]
+        return function(x.reshape(-1, n), residual.reshape(-1, n), weight, bias, eps, 0.0, 0).reshape(x.shape)
+
+    return add_layer_norm
+
+
+# csrc/cuda/add_layer_norm.cu under the CPU emulator (tests/emulated_cuda.py): its logic on every machine.
+test_emulated_cuda_parity = emulated_cuda_parity_test((SPEC,), _emulated_public)

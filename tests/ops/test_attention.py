@@ -12,8 +12,9 @@ from fastbert.testing import assert_close, assert_ran, grad_floor, poison_output
 from grids import DTYPES, KERNEL_BACKENDS, skip_unless_runnable, skip_unless_variant
 from harness import (CPU_DTYPES, SEEDS, Case, OpCheck, Spec, assert_independent, assert_keep_rate, bad_input_test,
                      check_case, check_example, check_parity, check_with_mask, compare_cpu, compare_with_reference,
-                     cpu_keep_mask, cu_seqlens, dtype_id, forward_backward, grid, leaf, needs_cpu_kernels, needs_cuda,
-                     opcheck_test, padding_mask, parity_tests, randn, seed_tensor, st, variant_parity_test)
+                     cpu_keep_mask, cu_seqlens, dtype_id, emulated_cuda_parity_test, forward_backward, grid, leaf,
+                     needs_cpu_kernels, needs_cuda, opcheck_test, padding_mask, parity_tests, randn, seed_tensor, st,
+                     variant_parity_test)
 
 MASKS = ("none", "lengths", "random", "one_kept", "fully_masked", "mixed")
 MASK_DTYPES = (torch.bool, torch.int64, torch.float32)
@@ -820,12 +821,8 @@ def test_brgemm_is_refused_where_its_check_against_the_cpp_kernel_fails(monkeypa
 
 
 @pytest.fixture(scope="module")
-def emulated(tmp_path_factory):
-    """The CUDA kernels' autograd function (emulated_cuda.attention_function)."""
-    why = emulated_cuda.compiler_missing()
-    if why:
-        pytest.skip(why)
-    return emulated_cuda.attention_function(emulated_cuda.build(tmp_path_factory.mktemp("emulated-cuda")))
+def emulated(emulated_cuda_library):
+    return emulated_cuda.attention_function(emulated_cuda_library)
 
 
 def _scale(q, scale):
@@ -840,12 +837,8 @@ def _as_public(function, spec):
         q, k, v, None if attention_mask is None else attention_mask.bool(), None, _scale(q, scale), 0.0, 0)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("spec,case", GRID, ids=GRID_IDS)
-def test_emulated_cuda_parity(emulated, spec, case, dtype):
-    args, kwargs = case.make(dtype, "cpu")
-    outs, grads, grad_outs = forward_backward(_as_public(emulated, spec), args, kwargs)
-    compare_with_reference(spec, dtype, args, kwargs, outs, grads, grad_outs)
+test_emulated_cuda_parity = emulated_cuda_parity_test(
+    (ATTENTION, VARLEN), lambda library, spec: _as_public(emulated_cuda.attention_function(library), spec))
 
 
 @pytest.mark.parametrize("p", SHARP_SHORT_ROWS, ids=SHARP_IDS)

@@ -1,4 +1,5 @@
 """bias_gelu: gelu(x + bias), erf or tanh form, on every backend against the float64 reference."""
+import emulated_cuda
 import pytest
 import torch
 
@@ -6,7 +7,7 @@ from fastbert import ops
 from fastbert.ops import reference
 from fastbert.testing import assert_close, poison_outputs, tolerance, upcast
 from harness import (CPU_DTYPES, HIDDEN, SEEDS, SMALL_HIDDEN, Case, OpCheck, Spec, bad_input_test, compare_cpu,
-                     dtype_id, leaf, needs_cuda, opcheck_test, parity_tests, randn, run_cpu, st, truth)
+                     dtype_id, emulated_cuda_parity_test, leaf, needs_cuda, opcheck_test, parity_tests, randn, run_cpu, st, truth)
 
 
 def params(draw, small=False):
@@ -123,3 +124,7 @@ def test_cuda_shapes_and_dtypes(rows, n, tanh, dtype):
     assert_close(out.cpu(), truth_out, dtype, "elementwise")
     assert_close(gx.cpu(), t_gx, dtype, "grad", name="grad_x")
     assert_close(gb.cpu(), t_gb, dtype, "grad", name="grad_bias")
+
+
+# csrc/cuda/bias_gelu.cu under the CPU emulator (tests/emulated_cuda.py): its logic on every machine.
+test_emulated_cuda_parity = emulated_cuda_parity_test((SPEC,), lambda library, spec: emulated_cuda.bias_gelu_function(library))
