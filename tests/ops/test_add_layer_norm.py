@@ -7,7 +7,7 @@ import torch
 from fastbert import dispatch, ops
 from fastbert.ops import reference
 from fastbert.testing import assert_close, assert_ran, poison_outputs, upcast
-from grids import DTYPES, skip_unless_runnable
+from grids import DTYPES, device_for, skip_unless_runnable
 from harness import (CPU_DTYPES, HIDDEN, SEEDS, SMALL_HIDDEN, Case, OpCheck, Spec, assert_independent,
                      assert_keep_rate, bad_input_test, check_with_mask, compare_cpu, cpu_keep_mask, dtype_id,
                      emulated_cuda_parity_test, leaf,
@@ -50,10 +50,12 @@ def _rand(*shape, grad=True, device="cpu"):
 
 
 def _triton_backward_args(p):
-    x, r, w, b = torch.randn(4, 24), torch.randn(4, 24), torch.randn(24), torch.randn(24)
-    seed = torch.tensor([20261130], dtype=torch.int64) if p > 0 else None
+    # The forward runs here, on the device the opcheck runs on (with a GPU, Triton takes no CPU tensors).
+    device = device_for("triton")
+    x, r, w, b = (torch.randn(*shape).to(device) for shape in ((4, 24), (4, 24), (24,), (24,)))
+    seed = torch.tensor([20261130], dtype=torch.int64).to(device) if p > 0 else None
     _, mean, rstd = torch.ops.fastbert.add_layer_norm_triton(x, r, w, b, 1e-5, p, seed)
-    return torch.randn(4, 24), x, r, w, mean, rstd, p, seed
+    return torch.randn(4, 24).to(device), x, r, w, mean, rstd, p, seed
 
 
 def _cxx_backward_args(p, device):

@@ -9,7 +9,7 @@ import torch
 from fastbert import BackendUnavailable, dispatch, ops
 from fastbert.ops import reference
 from fastbert.testing import assert_close, assert_ran, grad_floor, poison_outputs, upcast
-from grids import DTYPES, KERNEL_BACKENDS, skip_unless_runnable, skip_unless_variant
+from grids import DTYPES, KERNEL_BACKENDS, device_for, skip_unless_runnable, skip_unless_variant
 from harness import (CPU_DTYPES, SEEDS, Case, OpCheck, Spec, assert_independent, assert_keep_rate, bad_input_test,
                      check_case, check_example, check_parity, check_with_mask, compare_cpu, compare_with_reference,
                      cpu_keep_mask, cu_seqlens, dtype_id, emulated_cuda_parity_test, forward_backward, grid, leaf,
@@ -210,9 +210,12 @@ def _triton_varlen(dropout_p=0.0):
 
 
 def _triton_backward(make):
-    q, k, v, mask, cu, max_seqlen, scale, p, seed = (a.detach() if isinstance(a, torch.Tensor) else a for a in make())
+    # The forward runs here, on the device the opcheck runs on (with a GPU, Triton takes no CPU tensors).
+    device = device_for("triton")
+    q, k, v, mask, cu, max_seqlen, scale, p, seed = (
+        a.detach().to(device) if isinstance(a, torch.Tensor) else a for a in make())
     out, lse = torch.ops.fastbert.attention_triton(q, k, v, mask, cu, max_seqlen, scale, p, seed)
-    return torch.randn(q.shape), q, k, v, out, lse, mask, cu, max_seqlen, scale, p, seed
+    return torch.randn(q.shape).to(device), q, k, v, out, lse, mask, cu, max_seqlen, scale, p, seed
 
 
 def _cuda_mask():
