@@ -5,6 +5,7 @@ CPU tensors and mirror csrc/cuda/bindings.cpp's calls."""
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import re
 import shutil
@@ -89,8 +90,30 @@ def _pointers(*ts):
     return (ctypes.c_void_p * len(ts))(*(None if t is None else t.data_ptr() for t in ts))
 
 
-def _poisoned(t):
-    return torch.full_like(t, float("nan"))
+GUARD = 64  # NaN elements on either side of every float tensor a kernel gets
+
+
+class Guards:
+    """The float tensors of one kernel call, each inside a NaN buffer with GUARD elements on either side: a
+    read past a tensor brings NaN into the results (which the tests reject), a write past one shows in
+    check(). Outputs start as NaN too (poisoned)."""
+
+    def __init__(self):
+        self.buffers = []
+
+    def output(self, shape, dtype=torch.float32):
+        numel = math.prod(shape)
+        buffer = torch.full((numel + 2 * GUARD,), float("nan"), dtype=dtype)
+        self.buffers.append(buffer)
+        return buffer[GUARD:GUARD + numel].view(shape)
+
+    def input(self, t):
+        return None if t is None else self.output(t.shape, t.dtype).copy_(t)
+
+    def check(self, what: str) -> None:
+        for buffer in self.buffers:
+            bands = torch.cat([buffer[:GUARD], buffer[-GUARD:]])
+            assert bool(bands.isnan().all()), f"emulated {what} wrote past the end of a tensor"
 
 
 SM_COUNT = 3  # the GPU's multiprocessor count, which sizes add_layer_norm's backward grid: a few, so rows share blocks
@@ -103,31 +126,34 @@ def add_layer_norm_function(lib: ctypes.CDLL):
     class EmulatedCudaAddLayerNorm(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x, residual, weight, bias, eps, dropout_p, seed):
-            x, residual, weight, bias = (t.contiguous() for t in (x, residual, weight, bias))
+            guards = Guards()
+            x, residual, weight, bias = (guards.input(t) for t in (x, residual, weight, bias))
             rows, n = x.shape
-            out = _poisoned(x)
-            mean, rstd = (torch.full((rows,), float("nan")) for _ in range(2))
+            out = guards.output(x.shape, x.dtype)
+            mean, rstd = (guards.output((rows,)) for _ in range(2))
             _check(lib.emulated_add_layer_norm_fwd(DTYPES[x.dtype], _pointers(x, residual, weight, bias, out),
                                                    mean.data_ptr(), rstd.data_ptr(), rows, n, eps, dropout_p, seed),
                    "add_layer_norm_fwd")
+            guards.check("add_layer_norm_fwd")
             ctx.save_for_backward(x, residual, weight, mean, rstd)
             ctx.dropout_p, ctx.seed = dropout_p, seed
             return out
 
         @staticmethod
         def backward(ctx, grad):
-            x, residual, weight, mean, rstd = ctx.saved_tensors
+            guards = Guards()
+            grad, x, residual, weight, mean, rstd = (guards.input(t) for t in (grad, *ctx.saved_tensors))
             rows, n = x.shape
-            grad_h = _poisoned(x)
-            grad_x = _poisoned(x) if ctx.dropout_p > 0 else None
-            grad_weight, grad_bias = (torch.full((n,), float("nan")) for _ in range(2))
+            grad_h = guards.output(x.shape, x.dtype)
+            grad_x = guards.output(x.shape, x.dtype) if ctx.dropout_p > 0 else None
+            grad_weight, grad_bias = (guards.output((n,)) for _ in range(2))
             size = lib.emulated_add_layer_norm_bwd_workspace_bytes(rows, n, SM_COUNT)
-            workspace = torch.full((max(size // 4, 1),), float("nan"))
-            _check(lib.emulated_add_layer_norm_bwd(DTYPES[x.dtype], _pointers(grad.contiguous(), x, residual, weight,
-                                                                              grad_h, grad_x),
+            workspace = guards.output((size // 4,))
+            _check(lib.emulated_add_layer_norm_bwd(DTYPES[x.dtype], _pointers(grad, x, residual, weight, grad_h, grad_x),
                                                    mean.data_ptr(), rstd.data_ptr(), grad_weight.data_ptr(),
                                                    grad_bias.data_ptr(), workspace.data_ptr(), size, rows, n,
                                                    ctx.dropout_p, ctx.seed, SM_COUNT), "add_layer_norm_bwd")
+            guards.check("add_layer_norm_bwd")
             return (grad_h if grad_x is None else grad_x), grad_h, grad_weight.to(x.dtype), grad_bias.to(x.dtype), \
                 None, None, None
 
@@ -141,22 +167,26 @@ def bias_gelu_function(lib: ctypes.CDLL):
     class EmulatedCudaBiasGelu(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x, bias, approximate):
-            x, bias = x.contiguous(), bias.contiguous()
-            out = _poisoned(x)
+            guards = Guards()
+            x, bias = guards.input(x), guards.input(bias)
+            out = guards.output(x.shape, x.dtype)
             n = x.shape[-1]
             _check(lib.emulated_bias_gelu_fwd(DTYPES[x.dtype], x.data_ptr(), bias.data_ptr(), out.data_ptr(),
                                               x.numel() // n, n, approximate == "tanh"), "bias_gelu_fwd")
+            guards.check("bias_gelu_fwd")
             ctx.save_for_backward(x, bias)
             ctx.approximate = approximate
             return out
 
         @staticmethod
         def backward(ctx, grad):
-            x, bias = ctx.saved_tensors
-            grad_x, n = _poisoned(x), x.shape[-1]
-            _check(lib.emulated_bias_gelu_bwd(DTYPES[x.dtype], grad.contiguous().data_ptr(), x.data_ptr(),
-                                              bias.data_ptr(), grad_x.data_ptr(), x.numel() // n, n,
-                                              ctx.approximate == "tanh"), "bias_gelu_bwd")
+            guards = Guards()
+            grad, x, bias = (guards.input(t) for t in (grad, *ctx.saved_tensors))
+            grad_x, n = guards.output(x.shape, x.dtype), x.shape[-1]
+            _check(lib.emulated_bias_gelu_bwd(DTYPES[x.dtype], grad.data_ptr(), x.data_ptr(), bias.data_ptr(),
+                                              grad_x.data_ptr(), x.numel() // n, n, ctx.approximate == "tanh"),
+                   "bias_gelu_bwd")
+            guards.check("bias_gelu_bwd")
             return grad_x, grad_x.reshape(-1, n).sum(0, dtype=torch.float32).to(bias.dtype), None  # as ops/bias_gelu.py
 
     return EmulatedCudaBiasGelu.apply
@@ -189,29 +219,32 @@ def attention_function(lib: ctypes.CDLL):
     class EmulatedCudaAttention(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v, key_mask, cu_seqlens, scale, dropout_p, seed):
-            q, k, v = (t.contiguous() for t in (q, k, v))
+            guards = Guards()
+            q, k, v = (guards.input(t) for t in (q, k, v))
             mask = None if key_mask is None else key_mask.to(torch.uint8).contiguous()
             cu = None if cu_seqlens is None else cu_seqlens.to(torch.int32).contiguous()
-            out = torch.full_like(q, float("nan"))
-            lse = torch.full(q.shape[:-1] if q.dim() == 4 else (q.shape[1], q.shape[0]), float("nan"))
+            out = guards.output(q.shape, q.dtype)
+            lse = guards.output(q.shape[:-1] if q.dim() == 4 else (q.shape[1], q.shape[0]))
             batch = _batch(q, mask, cu)
             _check(lib.emulated_attention_fwd(DTYPES[q.dtype], ctypes.byref(batch), _tensors(q, k, v, out),
                                               lse.data_ptr(), scale, dropout_p, seed), "attention_fwd")
+            guards.check("attention_fwd")
             ctx.save_for_backward(q, k, v, out, lse)
             ctx.mask, ctx.cu, ctx.scale, ctx.dropout_p, ctx.seed = mask, cu, scale, dropout_p, seed
             return out
 
         @staticmethod
         def backward(ctx, grad):
-            q, k, v, out, lse = ctx.saved_tensors
-            grad = grad.contiguous()
-            dq, dk, dv = (torch.full_like(q, float("nan")) for _ in range(3))
+            guards = Guards()
+            grad, q, k, v, out, lse = (guards.input(t) for t in (grad, *ctx.saved_tensors))
+            dq, dk, dv = (guards.output(q.shape, q.dtype) for _ in range(3))
             batch = _batch(q, ctx.mask, ctx.cu)
             size = lib.emulated_attention_bwd_workspace_bytes(ctypes.byref(batch))
-            workspace = torch.full((max(size // 4, 1),), float("nan"))  # poisoned, as the GPU's is garbage
+            workspace = guards.output((size // 4,))  # NaN, as the GPU's is garbage
             _check(lib.emulated_attention_bwd(DTYPES[q.dtype], ctypes.byref(batch), _tensors(grad, q, k, v, out, dq, dk, dv),
                                               lse.data_ptr(), workspace.data_ptr(), size, ctx.scale, ctx.dropout_p,
                                               ctx.seed), "attention_bwd")
+            guards.check("attention_bwd")
             return dq, dk, dv, None, None, None, None, None
 
     return EmulatedCudaAttention.apply
