@@ -434,3 +434,24 @@ def _emulated_public(library, spec):
 
 # csrc/cuda/add_layer_norm.cu under the CPU emulator (tests/emulated_cuda.py): its logic on every machine.
 test_emulated_cuda_parity = emulated_cuda_parity_test((SPEC,), _emulated_public)
+
+
+@pytest.mark.parametrize("n", [24, 768, 1000])
+def test_emulated_cuda_dropout_matches_the_cpu_kernel(emulated_cuda_library, n):
+    """One seed, the same kept elements as the cpu kernel (csrc/cpu/dropout.h on both sides): float32 output
+    and every gradient agree to rounding (a different mask would be off by tens of percent)."""
+    if dispatch.machine_reasons("cpu"):
+        pytest.skip("; ".join(dispatch.machine_reasons("cpu")))
+    function = emulated_cuda.add_layer_norm_function(emulated_cuda_library)
+    g = torch.Generator().manual_seed(n)
+    x, r, w, b, grad = (torch.randn(*shape, generator=g) for shape in ((6, n), (6, n), (n,), (n,), (6, n)))
+    seed, p = 77, 0.25
+    results = []
+    for kernel in (lambda *a: torch.ops.fastbert.add_layer_norm_cxx(*a, 1e-5, p, torch.tensor([seed]))[0],
+                   lambda *a: function(*a, 1e-5, p, seed)):
+        inputs = [t.clone().requires_grad_() for t in (x, r, w, b)]
+        with poison_outputs():
+            out = kernel(*inputs)
+            results.append([out.detach(), *torch.autograd.grad(out, inputs, grad)])
+    for i, (got, want) in enumerate(zip(results[1], results[0])):
+        assert_close(got, want.double(), torch.float32, "elementwise" if i == 0 else "grad", name=f"result {i}")
