@@ -21,14 +21,12 @@ note() { echo "$1" | tee -a "$SUMMARY"; }
 # A pytest stage: name, timeout, then pytest's arguments. Dry (no GPU needed): the selection runs to its
 # first CUDA contact under tests/fake_cuda.py, which pretends a GPU and fails any test that hands CPU
 # tensors to the cuda or triton backend or a Triton launch (every other test stops at its first GPU tensor).
-DRY_VIOLATIONS=0
 tests() {
   local name=$1 limit=$2; shift 2
   if [ $DRY = 1 ]; then
     local line; line=$(PYTHONPATH=tests timeout "$limit" $PY -m pytest -q -rN --tb=no -p no:cacheprovider -p fake_cuda \
       --benchmark-disable "$@" 2>&1 | grep -A1 "= fake CUDA =" | tail -1)
     note "$name: ${line:-no fake CUDA summary (cut at ${limit} s?)} (dry run)"
-    case "$line" in *" 0 violations"*) ;; *) DRY_VIOLATIONS=1 ;; esac
     return
   fi
   timeout "$limit" $PY -m pytest -q -p no:cacheprovider --junitxml="$OUT/$name.xml" "$@" > "$OUT/$name.log" 2>&1
@@ -116,4 +114,9 @@ fi
 
 note "stage limits add up to $BUDGET s"
 echo; echo "done $(date +%T); results in $OUT"; cat "$SUMMARY"
-[ $DRY = 0 ] || exit $DRY_VIOLATIONS
+# A clean dry run: every stage that ran tests reports no violation and no other failure (stages run in
+# background subshells, so the summary file, not a variable, is what they all leave).
+if [ $DRY = 1 ]; then
+  grep "(dry run)" "$SUMMARY" | grep -v "skipped (dry run)" | grep -vq " 0 violations, 0 other failures" && exit 1
+  exit 0
+fi

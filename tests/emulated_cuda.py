@@ -1,5 +1,5 @@
 """csrc/cuda's kernels run on the CPU under an emulation of CUDA's execution model (tests/cuda_on_cpu:
-each GPU thread an OS thread, barriers for __syncthreads and shuffles), so their logic is tested on every
+each GPU thread a fiber, barriers for __syncthreads and shuffles), so their logic is tested on every
 machine, GPU or not. `build(directory)` compiles them with the host C++ compiler; the wrappers below take
 CPU tensors and mirror csrc/cuda/bindings.cpp's calls."""
 from __future__ import annotations
@@ -27,8 +27,11 @@ def _patched(source: str) -> str:
 
 
 def compiler_missing() -> str | None:
-    """Why the emulated kernels cannot be built here, or None."""
-    return None if shutil.which("g++") else "g++ is not on PATH"
+    """Why the emulated kernels cannot be built here, or None (g++ 12 or newer: C++20 and _Float16)."""
+    if not shutil.which("g++"):
+        return "g++ is not on PATH"
+    version = subprocess.run(["g++", "-dumpversion"], capture_output=True, text=True).stdout.strip()
+    return None if int(version.split(".")[0] or 0) >= 12 else f"g++ {version} is older than 12 (no _Float16)"
 
 
 def build(directory: Path) -> ctypes.CDLL:

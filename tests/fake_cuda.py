@@ -3,6 +3,7 @@ GPU: it pretends one is there and runs the GPU stages' selection to the first CU
 builds its tensors on the GPU stops at that (CPU-only torch: "Torch not compiled with CUDA enabled"); a test
 that hands CPU tensors to the cuda or triton backend (or launches a Triton kernel on them) stops at this
 plugin's FakeCudaViolation, and the run fails naming it: on the GPU it would fail or test the wrong thing.
+A test failing any other way fails the run too.
 
     PYTHONPATH=tests python -m pytest -p fake_cuda -k "cuda and not properties" tests/ops ...
 """
@@ -13,8 +14,21 @@ GPU_BACKENDS = ("cuda", "triton")
 GPU_TENSORS = "Torch not compiled with CUDA enabled"
 
 
-class FakeCudaViolation(AssertionError):
-    """CPU tensors reached a GPU backend or kernel."""
+class FakeCudaViolation(Exception):
+    """CPU tensors reached a GPU backend or kernel (not an AssertionError: pytest.raises(AssertionError) in a
+    test must not swallow it)."""
+
+
+def _violation(excinfo):
+    """The FakeCudaViolation in the exception's chain (torch.library.opcheck and torch.compile re-raise
+    wrapped), or None."""
+    e, seen = excinfo.value if excinfo is not None else None, set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, FakeCudaViolation):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _pretend_a_gpu():
@@ -64,8 +78,8 @@ def pytest_runtest_makereport(item, call):
             seen["skipped"].append(item.nodeid)
         elif report.passed:
             seen["passed"].append(item.nodeid)
-        elif call.excinfo is not None and call.excinfo.errisinstance(FakeCudaViolation):
-            seen["violations"].append(f"{item.nodeid}: {call.excinfo.value}")
+        elif _violation(call.excinfo) is not None:
+            seen["violations"].append(f"{item.nodeid}: {_violation(call.excinfo)}")
         elif call.excinfo is not None and GPU_TENSORS in str(call.excinfo.value):
             seen["gpu tensors"].append(item.nodeid)
         else:
@@ -82,6 +96,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    # Only violations fail the dry run: every other test stops at its first CUDA tensor by design.
+    # Every test stops at its first CUDA tensor by design; a violation or any other failure fails the run.
     seen = session.config._fake_cuda
-    session.exitstatus = 1 if seen["violations"] else 0
+    session.exitstatus = 1 if seen["violations"] or seen["other failures"] else 0

@@ -6,6 +6,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -38,6 +39,8 @@ def test_cpu_tensors_at_a_gpu_backend_fail_the_dry_run(run_fake_cuda):
 
 
 def test_gpu_tensors_pass_the_dry_run(run_fake_cuda):
+    if torch.cuda.is_available():
+        pytest.skip("a real GPU: the probe runs instead of stopping at its first GPU tensor")
     rc, out = run_fake_cuda("""
         import torch
         from fastbert import dispatch, ops
@@ -49,3 +52,19 @@ def test_gpu_tensors_pass_the_dry_run(run_fake_cuda):
     """)
     assert rc == 0, out
     assert "1 gpu tensors, 0 violations" in out, out
+
+
+def test_a_wrapped_violation_fails_the_dry_run(run_fake_cuda):
+    """torch.library.opcheck re-raises what went wrong inside it: the violation in the chain still counts."""
+    rc, out = run_fake_cuda("""
+        import torch
+        from fastbert import dispatch, ops
+
+        def test_wrapped():
+            try:
+                with dispatch.use_backend("triton"):
+                    ops.bias_gelu(torch.randn(4, 8), torch.randn(8))
+            except Exception as e:
+                raise RuntimeError("wrapped") from e
+    """)
+    assert rc == 1 and "1 violations" in out, out

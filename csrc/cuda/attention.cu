@@ -57,8 +57,8 @@ struct Params {
   AttentionTensor q, k, v, out, grad, dq, dk, dv;
   float* lse;    // [B, heads, S] or [heads, T]
   float* delta;  // backward's D, laid out like lse
-  float* ds_rest;   // backward: a row's dS summed over all keys but its dominant one, laid out like lse
-  float* dominant;  // backward: a row's dominant key (P > 1/2) as a float index (exact), -1 for none
+  float* ds_rest;  // backward: a row's dS summed over all keys but its dominant one, laid out like lse
+  int* dominant;   // backward: a row's dominant key (P > 1/2), -1 for none, laid out like lse
   float scale;
   Dropout dropout;
 };
@@ -107,6 +107,15 @@ __device__ __forceinline__ int64_t lse_index(const AttentionBatch& b, const Seq&
 __device__ __forceinline__ float row_max(float v) {
 #pragma unroll
   for (int o = 8; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+__device__ __forceinline__ int row_max(int v) {
+#pragma unroll
+  for (int o = 8; o > 0; o >>= 1) {
+    const int other = __shfl_xor_sync(0xffffffffu, v, o);
+    v = other > v ? other : v;
+  }
   return v;
 }
 
@@ -316,13 +325,14 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(Params p) {
   load_tile<T, D, kRows>(sQ, row_ptr<T>(p.q, s, h, q0), p.q.row, s.length - q0, d);
   load_tile<T, D, kRows>(sG, row_ptr<T>(p.grad, s, h, q0), p.grad.row, s.length - q0, d);
   __syncthreads();
-  float lse[RI], delta[RI], dom[RI];  // dom: the row's dominant key (P > 1/2), -1 for none
+  float lse[RI], delta[RI];
+  int dom[RI];  // the row's dominant key (P > 1/2), -1 for none
 #pragma unroll
   for (int i = 0; i < RI; ++i) {
     const int64_t r = q0 + ty + 16 * i;
     lse[i] = r < s.length ? p.lse[lse_index(p.batch, s, h, r)] : kInf;
     delta[i] = 0.f;
-    dom[i] = -1.f;
+    dom[i] = -1;
   }
   float pr[RI][CJ], dp[RI][CJ];
   if (!keys.single) {
@@ -336,7 +346,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(Params p) {
           float e = pr[i][j];
           // The largest index where rounding puts two tied keys just above 1/2: one key a row, as in
           // every kernel, so that dkdv_kernel corrects the very key this one did.
-          if (pr[i][j] > 0.5f) dom[i] = fmaxf(dom[i], float(kb + tx + 16 * j));
+          if (pr[i][j] > 0.5f && kb + tx + 16 * j > dom[i]) dom[i] = int(kb + tx + 16 * j);
           if (p.dropout.on() && e != 0.f) e = p.dropout.keep(s.i, h, r, kb + tx + 16 * j) ? e * p.dropout.scale() : 0.f;
           delta[i] = fmaf(e, dp[i][j], delta[i]);
         }
@@ -371,7 +381,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(Params p) {
           const float ds = pr[i][j] * (g - delta[i]);
           sS[(ty + 16 * i) * LT + tx + 16 * j] = ds;
           ds_total[i] += ds;
-          if (float(kb + tx + 16 * j) == dom[i]) ds_dom[i] += ds;
+          if (kb + tx + 16 * j == dom[i]) ds_dom[i] += ds;
         }
       }
       __syncthreads();  // everyone is done with V
@@ -386,8 +396,8 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(Params p) {
     ds_dom[i] = row_sum(ds_dom[i]);
     const int64_t r = q0 + ty + 16 * i;
     if (r >= s.length) continue;
-    if (dom[i] >= 0.f) {
-      const T* k_dom = row_ptr<T>(p.k, s, h, int64_t(dom[i]));
+    if (dom[i] >= 0) {
+      const T* k_dom = row_ptr<T>(p.k, s, h, dom[i]);
 #pragma unroll
       for (int c = 0; c < DJ; ++c) {
         if (tx + 16 * c < d) dq[i][c] -= ds_total[i] * to_float(k_dom[tx + 16 * c]);
@@ -413,8 +423,8 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Params p) {
   float* sS = sQG + N * LD;         // [kRows][LT] P_dropped^T, then dS^T
   float* sLse = sS + kRows * LT;    // [N] the query tile's lse (+inf past the sequence)
   float* sDelta = sLse + N;         // [N] and its D
-  float* sDom = sDelta + N;         // [N] its rows' dominant keys (-1 for none), from dq_kernel
-  float* sRest = sDom + N;          // [N] and their dS summed over the other keys
+  int* sDom = reinterpret_cast<int*>(sDelta + N);  // [N] its rows' dominant keys (-1 for none), from dq_kernel
+  float* sRest = sDelta + 2 * N;   // [N] and their dS summed over the other keys
   const Seq s = locate(p.batch);
   if (!live(s)) return;  // the whole block
   const int ty = threadIdx.x >> 4, tx = threadIdx.x & 15, d = int(p.batch.head_dim);
@@ -434,7 +444,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Params p) {
       for (int r = threadIdx.x; r < N; r += kThreads) {
         sLse[r] = r < nq ? p.lse[lse_index(p.batch, s, h, qb + r)] : kInf;
         sDelta[r] = r < nq ? p.delta[lse_index(p.batch, s, h, qb + r)] : 0.f;
-        sDom[r] = r < nq ? p.dominant[lse_index(p.batch, s, h, qb + r)] : -1.f;
+        sDom[r] = r < nq ? p.dominant[lse_index(p.batch, s, h, qb + r)] : -1;
         sRest[r] = r < nq ? p.ds_rest[lse_index(p.batch, s, h, qb + r)] : 0.f;
       }
       __syncthreads();
@@ -459,7 +469,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Params p) {
             g = keep ? g * p.dropout.scale() : 0.f;
           }
           sS[(ty + 16 * i) * LT + tx + 16 * j] = e;
-          const bool dominant = float(k0 + ty + 16 * i) == sDom[tx + 16 * j];  // see dq_kernel
+          const bool dominant = k0 + ty + 16 * i == sDom[tx + 16 * j];  // see dq_kernel
           dp[i][j] = keys.single ? 0.f : dominant ? -sRest[tx + 16 * j] : pr[i][j] * (g - sDelta[tx + 16 * j]);  // dS
         }
       }
@@ -555,7 +565,7 @@ cudaError_t attention_bwd(DType dtype, const AttentionBatch& batch, AttentionTen
   float* rows = static_cast<float*>(workspace);
   const int64_t count = lse_count(batch);
   const Params p{batch, q, k, v, out, grad, dq, dk, dv, const_cast<float*>(lse) /* only read */,
-                 rows, rows + count, rows + 2 * count, scale, Dropout{dropout_p, seed}};
+                 rows, rows + count, reinterpret_cast<int*>(rows + 2 * count), scale, Dropout{dropout_p, seed}};
   return run(dtype, false, p, stream);
 }
 

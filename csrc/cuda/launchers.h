@@ -74,7 +74,8 @@ cudaError_t attention_fwd(DType dtype, const AttentionBatch& batch, AttentionTen
                           AttentionTensor v, AttentionTensor out, float* lse, float scale, float dropout_p,
                           uint64_t seed, cudaStream_t stream);
 
-// Bytes of float32 scratch that attention_bwd needs (D = rowsum(dO * O), one value per lse entry).
+// Bytes of scratch that attention_bwd needs: three values per lse entry (D = rowsum(P * dP), the row's
+// dominant key and the other keys' dS summed).
 size_t attention_bwd_workspace_bytes(const AttentionBatch& batch);
 
 // dq, dk, dv from grad (d loss / d out) and the forward's out and lse, recomputing the probabilities

@@ -819,7 +819,7 @@ def test_brgemm_is_refused_where_its_check_against_the_cpp_kernel_fails(monkeypa
 
 # ------------------------------------------------------------------------------ cuda, emulated on the CPU
 # csrc/cuda/attention.cu compiled for tests/emulated_cuda.py's emulation of CUDA's execution model (each GPU
-# thread an OS thread): the kernels' logic, forward and backward, on every machine, GPU or not. What only a
+# thread a fiber): the kernels' logic, forward and backward, on every machine, GPU or not. What only a
 # GPU shows (its memory model, speed) is the GPU run's (benchmarks/gpu_check.sh).
 
 
@@ -852,6 +852,21 @@ def test_emulated_cuda_sharp_short_rows(emulated, p):
     outs, grads, grad_outs = forward_backward(_as_public(emulated, ATTENTION), args, kwargs)
     compare_with_reference(ATTENTION, torch.float32, args, kwargs, outs, grads, grad_outs)
     ATTENTION.check_example(p, args, kwargs, outs)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_emulated_cuda_dominant_keys_across_key_tiles(emulated, head_dim):
+    """Every query row nearly one-hot on a key past the first key tile (64 keys a tile, 32 at d = 128), in
+    sequences longer than a query tile: the dominant-key correction across tiles and blocks, against the
+    reference (each head dim fails without it)."""
+    b, h, s = 2, 2, 150
+    k = torch.randn(b, h, s, head_dim)
+    target = 40 + torch.arange(s) % (s - 40)  # each row's key, all past key 40
+    q = 4.0 * k[:, :, target] + 0.1 * torch.randn(b, h, s, head_dim)
+    args = [t.requires_grad_() for t in (q, k, torch.randn(b, h, s, head_dim))]
+    kwargs = {"attention_mask": None, "scale": None}
+    outs, grads, grad_outs = forward_backward(_as_public(emulated, ATTENTION), args, kwargs)
+    compare_with_reference(ATTENTION, torch.float32, args, kwargs, outs, grads, grad_outs)
 
 
 def test_emulated_cuda_two_tied_dominant_keys(emulated):
