@@ -117,6 +117,6 @@ echo; echo "done $(date +%T); results in $OUT"; cat "$SUMMARY"
 # A clean dry run: every stage that ran tests reports no violation and no other failure (stages run in
 # background subshells, so the summary file, not a variable, is what they all leave).
 if [ $DRY = 1 ]; then
-  grep "(dry run)" "$SUMMARY" | grep -v "skipped (dry run)" | grep -vq " 0 violations, 0 other failures" && exit 1
+  grep "(dry run)" "$SUMMARY" | grep -v ": skipped (dry run)" | grep -vq " 0 violations, 0 other failures" && exit 1
   exit 0
 fi
