@@ -719,17 +719,8 @@ def test_cuda_single_key_gives_exactly_zero_q_and_k_gradients():
 def test_cuda_dropout_matches_the_cpu_kernel(varlen, head_dim):
     """One seed (torch.manual_seed), the same kept probabilities as the cpu backend: float32 outputs and
     gradients agree to rounding (a different mask would be off by tens of percent)."""
-    g = torch.Generator().manual_seed(head_dim)
-    if varlen:
-        lengths = [70, 0, 1, 130]
-        q, k, v, grad = (torch.randn(sum(lengths), 2, head_dim, generator=g) for _ in range(4))
-        args = [cu_seqlens(lengths), max(lengths)]
-        fn = ops.varlen_attention
-    else:
-        q, k, v, grad = (torch.randn(2, 3, 97, head_dim, generator=g) for _ in range(4))
-        mask = torch.ones(2, 97, dtype=torch.bool)
-        mask[1, 60:] = False
-        args, fn = [mask], ops.attention
+    q, k, v, grad, mask, cu, max_seqlen = _dropout_batch(varlen, head_dim)
+    args, fn = ([cu, max_seqlen], ops.varlen_attention) if varlen else ([mask], ops.attention)
     results = []
     for backend in ("cpu", "cuda"):
         inputs = [t.to(backend).requires_grad_() for t in (q, k, v)]
@@ -737,9 +728,28 @@ def test_cuda_dropout_matches_the_cpu_kernel(varlen, head_dim):
         out, grads = _run_forced(fn, inputs, [a.to(backend) if isinstance(a, torch.Tensor) else a for a in args],
                                grad.to(backend), backend, dropout_p=0.3)
         results.append([out.detach().cpu(), *(gr.cpu() for gr in grads)])
-    floor = grad_floor(torch.float32, results[0][1:])
-    for i, (got, want) in enumerate(zip(results[1], results[0])):
-        assert_close(got, want.double(), torch.float32, "matmul" if i == 0 else "grad", name=f"result {i}",
+    _assert_same_results(results[1], results[0])
+
+
+def _dropout_batch(varlen: bool, head_dim: int):
+    """(q, k, v, grad, key mask or None, cu_seqlens or None, max_seqlen) for the dropout comparisons
+    between kernels: masked keys, or a varlen batch with an empty and a one-token sequence."""
+    g = torch.Generator().manual_seed(head_dim)
+    if varlen:
+        lengths = [70, 0, 1, 130]
+        q, k, v, grad = (torch.randn(sum(lengths), 2, head_dim, generator=g) for _ in range(4))
+        return q, k, v, grad, None, cu_seqlens(lengths), max(lengths)
+    q, k, v, grad = (torch.randn(2, 3, 97, head_dim, generator=g) for _ in range(4))
+    mask = torch.ones(2, 97, dtype=torch.bool)
+    mask[1, 60:] = False
+    return q, k, v, grad, mask, None, 97
+
+
+def _assert_same_results(got, want):
+    """[out, dq, dk, dv] of one kernel against another's: float32 rounding apart."""
+    floor = grad_floor(torch.float32, want[1:])
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_close(a, b.double(), torch.float32, "matmul" if i == 0 else "grad", name=f"result {i}",
                      floor=floor if i else 0.0)
 
 
@@ -888,15 +898,7 @@ def test_emulated_cuda_dropout_matches_the_cpu_kernel(emulated, varlen, head_dim
     outputs and gradients agree to rounding (a different mask would be off by tens of percent)."""
     if dispatch.machine_reasons("cpu"):
         pytest.skip("; ".join(dispatch.machine_reasons("cpu")))
-    g = torch.Generator().manual_seed(head_dim)
-    if varlen:
-        lengths = [70, 0, 1, 130]
-        q, k, v, grad = (torch.randn(sum(lengths), 2, head_dim, generator=g) for _ in range(4))
-        mask, cu, max_seqlen = None, cu_seqlens(lengths), max(lengths)
-    else:
-        q, k, v, grad = (torch.randn(2, 3, 97, head_dim, generator=g) for _ in range(4))
-        mask, cu, max_seqlen = torch.ones(2, 97, dtype=torch.bool), None, 97
-        mask[1, 60:] = False
+    q, k, v, grad, mask, cu, max_seqlen = _dropout_batch(varlen, head_dim)
     seed, scale = 4321, head_dim**-0.5
     results = []
     for kernel in (lambda *a: torch.ops.fastbert.attention_cxx(*a, max_seqlen, scale, 0.3, torch.tensor(seed))[0],
@@ -905,7 +907,4 @@ def test_emulated_cuda_dropout_matches_the_cpu_kernel(emulated, varlen, head_dim
         with poison_outputs():
             out = kernel(*inputs, mask, cu)
             results.append([out.detach(), *torch.autograd.grad(out, inputs, grad)])
-    floor = grad_floor(torch.float32, results[0][1:])
-    for i, (got, want) in enumerate(zip(results[1], results[0])):
-        assert_close(got, want.double(), torch.float32, "matmul" if i == 0 else "grad", name=f"result {i}",
-                     floor=floor if i else 0.0)
+    _assert_same_results(results[1], results[0])
