@@ -53,6 +53,10 @@ TORCH_LIBRARY(fastbert_C, m) {
   m.def("int8_matmul_dequantize(Tensor q, Tensor packed, int n, int k, Tensor weight_scale, Tensor scale, "
         "Tensor zero_point, Tensor wsum, Tensor? bias, int activation, int isa, Tensor(a!) out) -> ()");
   m.def("int8_isa_supported(int isa) -> bool");  // whether int8_matmul runs with this isa here
+  // Inference, CPU: one encoder layer in one call (csrc/cpu/encoder_layer.cpp; fastbert/ops/encoder_layer.py).
+  m.def("encoder_layer(Tensor x, Tensor? rows_q, Tensor? rows_scale, Tensor? rows_zero_point, Tensor? key_mask, "
+        "Tensor? cu_seqlens, int batch, int seq, Tensor?[] weights, int[] codes, float eps, bool quantize_output) "
+        "-> Tensor[]");
   m.def("dropout_keep(int seed, float dropout_p, int sequences, int heads, int rows, int cols) -> Tensor");
 }
 

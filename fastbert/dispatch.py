@@ -495,6 +495,8 @@ def _state() -> tuple:
 class _Plan:
     def __init__(self, model):
         self.calls: list[tuple] = []  # (signature, fn, backend, skipped, variant)
+        # A block's first call -> [its module, the call after its last, its program: _UNBUILT, None or built]
+        self.blocks: dict[int, list] = {}
         self.modules = tuple(model.modules())
         # Each parameter and buffer: where it is held, the tensor, and where its data was when recorded.
         slots = [(held, name, t) for m in self.modules for held in (m._parameters, m._buffers)
@@ -571,6 +573,57 @@ class _Running:
             self.broken = True  # a call whose op did not name itself: such a forward is never replayed
         self.plan.calls.append((self.signature, fn, backend, skipped, variant))
         self.signature = None
+
+
+_UNBUILT = object()  # a block whose program is yet to be built
+
+
+class block:
+    """Context for `module`'s forward within a planned forward. Recording, the op calls it makes are kept
+    as one block. Replaying, it gives a function that runs them in one call: `build(module, calls)` (the
+    block's records, as _Plan.calls holds them) makes a program, once per plan (None where it cannot), that
+    takes the forward's arguments; while the program's `current()` holds, the function runs it, notes the
+    block's calls as dispatch.record() would have seen them, and moves the plan past them. Else it gives
+    None and the forward runs op by op."""
+
+    __slots__ = ("module", "build", "running", "start", "end")
+
+    def __init__(self, module, build: Callable):
+        self.module, self.build, self.running = module, build, None
+
+    def __enter__(self):
+        running = self.running = getattr(_local, "plan", None)
+        if running is None:
+            return None
+        if running.recording:
+            self.start = len(running.plan.calls)
+            return None
+        entry = running.plan.blocks.get(running.position) if running.replaying and not running.armed else None
+        if entry is None or entry[0] is not self.module:
+            return None
+        if entry[2] is _UNBUILT:
+            entry[2] = self.build(self.module, running.plan.calls[running.position:entry[1]])
+        program = entry[2]
+        if program is None:
+            return None
+        if not program.current():  # its packed weights are stale: this forward repacks them op by op
+            entry[2] = _UNBUILT
+            return None
+        self.start, self.end = running.position, entry[1]
+        return functools.partial(self._run, program)
+
+    def _run(self, program, *args):
+        out = program(*args)
+        running = self.running
+        for signature, _, backend, skipped, variant in running.plan.calls[self.start:self.end]:
+            note(signature[0], backend, skipped, variant)
+        running.position = self.end
+        return out
+
+    def __exit__(self, kind, *_):
+        running = self.running
+        if running is not None and running.recording and kind is None and not is_muted():
+            running.plan.blocks[self.start] = [self.module, len(running.plan.calls), _UNBUILT]
 
 
 def trusted(op: str, x: torch.Tensor, *flags) -> bool:

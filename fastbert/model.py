@@ -183,6 +183,13 @@ class BertLayer(nn.Module):
     def forward(self, x, attention_mask=None, need_weights=False, packing=None, x_rows=None, quantize_output=False):
         """-> (out, attention probabilities or None, out as ops.QuantizedRows or None). `x_rows`: x quantized,
         from the layer before; `quantize_output`: the next layer takes its input quantized."""
+        with dispatch.block(self, ops.encoder_layer.program) as one_call:  # replaying a plan: its kernels at once
+            if one_call is not None and not need_weights:
+                return one_call(x, attention_mask, packing, x_rows, quantize_output)
+            return self.ops_forward(x, attention_mask, need_weights, packing, x_rows, quantize_output)
+
+    def ops_forward(self, x, attention_mask=None, need_weights=False, packing=None, x_rows=None, quantize_output=False):
+        """forward, op by op."""
         # Dynamic int8: each GEMM's input arrives quantized from the kernel before it (LayerNorm or GELU),
         # never as a float tensor read again to quantize it.
         ffn_rows = not self.training and takes_rows(self.intermediate.dense)
