@@ -1,0 +1,153 @@
+"""encoder_layer: a planned forward runs each encoder layer as one C++ call (fastbert/ops/encoder_layer.py)
+that makes the kernel calls the layer's ops made, so it gives what op by op gives, bit for bit, for every
+implementation it knows; it serves only while the weights and the layer's settings are the ones it was
+made from."""
+import pytest
+import torch
+
+import fastbert
+from fastbert import dispatch
+from fastbert.ops import encoder_layer
+from fastbert.testing import poison_outputs
+
+pytest.importorskip("fastbert._C", reason="encoder_layer is a fastbert._C op")
+
+CONFIG = dict(vocab_size=120, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+              max_position_embeddings=64)
+SHAPES = ("padded", "unmasked", "batch of one")  # padding -> varlen (packed tokens); none -> padded kernels
+
+
+def model_of(dtype, approximate="none"):
+    torch.manual_seed(0)
+    config = fastbert.BertConfig(**CONFIG, hidden_act="gelu" if approximate == "none" else "gelu_new")
+    model = fastbert.BertModel(config).eval()
+    return fastbert.quantize(model) if dtype == "int8" else model.to({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+
+
+def inputs(shape):
+    b, s = (1, 9) if shape == "batch of one" else (3, 12)
+    ids = torch.randint(1, CONFIG["vocab_size"], (b, s))
+    mask = torch.ones(b, s, dtype=torch.long)
+    if shape == "padded":
+        mask[0, 5:] = 0
+        mask[2, 9:] = 0
+    return ids, (None if shape == "unmasked" else mask)
+
+
+class Runs:
+    """Counts the layer programs' calls."""
+
+    def __init__(self, monkeypatch):
+        self.count, real = 0, encoder_layer.LayerProgram.__call__
+
+        def counted(program, *args):
+            self.count += 1
+            return real(program, *args)
+
+        monkeypatch.setattr(encoder_layer.LayerProgram, "__call__", counted)
+
+
+def choose(monkeypatch, variants: dict):
+    """Tuning's choice replaced by `variants` (op -> variant name) where the name is usable: plans still run
+    (a forced variant would turn them off)."""
+    real = dispatch._choose_variant
+
+    def chosen(op, backend, usable, key, args):
+        return next((v for v in usable if v.name == variants.get(op)), None) or real(op, backend, usable, key, args)
+
+    monkeypatch.setattr(dispatch, "_choose_variant", chosen)
+
+
+def forward(model, ids, mask):
+    with torch.inference_mode(), poison_outputs(), dispatch.record() as calls:
+        out = model(ids, attention_mask=mask).last_hidden_state
+    return out, [(c.op, c.backend, c.variant) for c in calls]
+
+
+def check_one_call_equals_op_by_op(model, ids, mask, runs):
+    op_by_op, recorded = forward(model, ids, mask)  # the first forward records the plan
+    before = runs.count
+    one_call, replayed = forward(model, ids, mask)
+    assert runs.count - before == CONFIG["num_hidden_layers"], "the layers did not run as one call each"
+    assert torch.isfinite(one_call.float()).all()
+    assert torch.equal(one_call, op_by_op)
+    assert replayed == recorded  # dispatch.record() sees the calls the one call stands for
+    return recorded
+
+
+FLOAT_CHOICES = {
+    "onednn": {"qkv_projection": "onednn", "dense": "onednn", "attention": "fastbert", "varlen_attention": "fastbert"},
+    "torch": {"qkv_projection": "torch", "dense": "torch"},
+    "onednn+bias_gelu": {"dense": "onednn+bias_gelu"},
+    "brgemm": {"attention": "brgemm", "varlen_attention": "brgemm"},
+}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("choice", list(FLOAT_CHOICES))
+def test_float_layers_in_one_call_equal_op_by_op(monkeypatch, choice, dtype, shape):
+    if choice == "brgemm" and dtype == "fp32":
+        pytest.skip("brgemm attention is bfloat16 only")
+    choose(monkeypatch, FLOAT_CHOICES[choice])
+    runs = Runs(monkeypatch)
+    recorded = check_one_call_equals_op_by_op(model_of(dtype), *inputs(shape), runs)
+    ran = {variant for op, _, variant in recorded if op in ("dense", "qkv_projection", "attention", "varlen_attention")}
+    if choice == "brgemm" and "brgemm" not in ran:
+        pytest.skip("brgemm attention cannot run on this machine (its one-time check refused it)")
+    assert choice in ran or choice == "onednn" and ran <= {"onednn", "fastbert"}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("gemm", ["fastbert", "onednn"])
+def test_int8_layers_in_one_call_equal_op_by_op(monkeypatch, gemm, shape):
+    choose(monkeypatch, {"quantized_dense": gemm})
+    runs = Runs(monkeypatch)
+    recorded = check_one_call_equals_op_by_op(model_of("int8"), *inputs(shape), runs)
+    gemms = {variant for op, _, variant in recorded if op == "quantized_dense"}
+    if gemm == "onednn" and gemms != {"onednn"}:
+        pytest.skip("oneDNN's int8 GEMM cannot serve on this CPU (quantized_dense's onednn variant is refused)")
+    assert gemms == {gemm}
+
+
+def test_gelu_tanh_layers(monkeypatch):
+    runs = Runs(monkeypatch)
+    check_one_call_equals_op_by_op(model_of("fp32", approximate="tanh"), *inputs("padded"), runs)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+def test_a_weight_written_in_place_is_never_served_stale(monkeypatch, dtype):
+    """The one call reads packed copies of the weights: written in place, the next forward runs op by op
+    (repacking them) and gives the fresh model's result; the one after runs as one call again."""
+    runs = Runs(monkeypatch)
+    model, (ids, mask) = model_of(dtype), inputs("padded")
+    check_one_call_equals_op_by_op(model, ids, mask, runs)
+    dense = model.encoder.layer[1].output.dense
+    with torch.no_grad():
+        (dense.weight_scale if dtype == "int8" else dense.weight).mul_(1.5)
+    before = runs.count
+    written, _ = forward(model, ids, mask)
+    assert runs.count - before == CONFIG["num_hidden_layers"] - 1  # layer 0's weights are as they were
+    fresh = model_of(dtype)
+    fresh.load_state_dict(model.state_dict())
+    assert torch.equal(written, forward(fresh, ids, mask)[0])
+    again, _ = forward(model, ids, mask)
+    assert runs.count - before == 2 * CONFIG["num_hidden_layers"] - 1 and torch.equal(again, written)
+
+
+def test_attention_probabilities_run_op_by_op(monkeypatch):
+    runs = Runs(monkeypatch)
+    model, (ids, mask) = model_of("fp32"), inputs("padded")
+    with torch.inference_mode():
+        for _ in range(3):
+            out = model(ids, attention_mask=mask, output_attentions=True)
+    assert runs.count == 0 and len(out.attentions) == CONFIG["num_hidden_layers"]
+
+
+def test_bad_arguments_are_refused_by_name():
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="20 weight slots"):
+        torch.ops.fastbert_C.encoder_layer(x, None, None, None, None, None, 0, 0, [], [0] * 10, 1e-12, False)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.fastbert_C.encoder_layer(x.t(), None, None, None, None, None, 0, 0, [None] * 20, [0] * 10, 1e-12,
+                                           False)
