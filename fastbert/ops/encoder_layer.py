@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from fastbert.ops import _alloc
+from fastbert.ops.quantized_dense import _cache_bytes
 from fastbert.ops.reference import QuantizedRows
 
 ATTENTION = {"fastbert": 0, "brgemm": 1}  # attention / varlen_attention variants -> codes[kBrgemm]
@@ -117,12 +118,6 @@ def program(layer, calls) -> LayerProgram | None:
     return LayerProgram(layer, weights, codes, float(norms[0][3]), [*sources, *norm_params])
 
 
-def _cache_bytes() -> int:
-    from fastbert.ops.quantized_dense import _cache_bytes
-
-    return _cache_bytes()
-
-
 def _float(layer, signatures, variants):
     """(weights, activation code, the four linears' Linear codes, sources) of a float layer whose GEMMs ran
     oneDNN's packed linear or torch's (qkv_projection's and dense's onednn, onednn+bias_gelu and torch
@@ -163,8 +158,6 @@ def _int8(layer, signatures, variants):
     """(weights, activation code, the four linears' Int8Gemm codes, sources) of a dynamic int8 layer whose
     GEMMs ran fastbert's own int8 GEMM or oneDNN's (quantized_dense's variants), each input quantized by the
     kernel before it, or None."""
-    from fastbert.quantization import Int8Linear
-
     # (quantized_dense, shape, dtype, activation, approximate, quantize_output, rows, bias is None, input_scale is None)
     qkv, out, ffn_in, ffn_out = signatures[0], signatures[2], signatures[4], signatures[5]
     if any(s[0] != "quantized_dense" or s[-2] or not s[-1] for s in (qkv, out, ffn_in, ffn_out)):
@@ -181,7 +174,8 @@ def _int8(layer, signatures, variants):
     self_attention = layer.attention.self
     modules = (self_attention.query, self_attention.key, self_attention.value, layer.attention.output.dense,
                layer.intermediate.dense, layer.output.dense)
-    if not all(isinstance(m, Int8Linear) and m.takes_quantized_rows for m in modules):
+    # fastbert.quantization's Int8Linear, dynamic (by what it has: ops never import the model's modules)
+    if not all(type(m) is not torch.nn.Linear and getattr(m, "takes_quantized_rows", False) for m in modules):
         return None
     buffers = [m.buffers_now() for m in modules]
     stacked = _kept(self_attention.prepared, "qkv_int8", tuple(t for b in buffers[:3] for t in b[:3]))
