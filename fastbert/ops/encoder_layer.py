@@ -43,16 +43,17 @@ class LayerProgram:
     codes of the implementations they ran. Serves while the tensors it was made from are unchanged."""
 
     def __init__(self, layer, weights, codes, eps, sources):
-        self.layer, self.weights, self.codes, self.eps = layer, weights, codes, eps
+        self.weights, self.codes, self.eps = weights, codes, eps
         self.poisoned_codes = [*codes[:-1], 1]  # the C++ side NaN-fills its outputs, as _alloc does
         self.sources = sources
         self.versions = [t._version for t in sources]
-        self.settings = settings(layer)
+        self.settings = Settings(layer)
+        self.recorded = self.settings()
 
     def current(self) -> bool:
         """Whether no source was written in place since (the packed copies would be stale) and the layer's
         plain attributes are as they were (no hook sees them change; op by op, the ops' flags would)."""
-        return [t._version for t in self.sources] == self.versions and settings(self.layer) == self.settings
+        return [t._version for t in self.sources] == self.versions and self.settings() == self.recorded
 
     def __call__(self, x, attention_mask, packing, x_rows, quantize_output):
         """BertLayer.forward's (out, None, out as QuantizedRows or None) for its arguments."""
@@ -70,14 +71,22 @@ class LayerProgram:
         return y, None, QuantizedRows(out[1].view(x.shape), out[2], out[3], x.dtype) if quantize_output else None
 
 
-def settings(layer) -> tuple:
-    """What a BertLayer's forward reads from plain attributes: GELU's form, heads, LayerNorm eps, and whether
-    an int8 linear is calibrating (then its input is not quantized rows)."""
-    attention = layer.attention.self
-    linears = (attention.query, attention.key, attention.value, layer.attention.output.dense, layer.intermediate.dense,
-               layer.output.dense)
-    return (layer.intermediate.approximate, attention.num_attention_heads, layer.attention.output.LayerNorm.eps,
-            layer.output.LayerNorm.eps, [getattr(m, "observer", None) is None for m in linears])
+class Settings:
+    """Reads what a BertLayer's forward takes from plain attributes, which no hook sees change: GELU's form,
+    heads, LayerNorm eps and, in an int8 layer, whether a linear is calibrating (then its input is not
+    quantized rows). The modules are found once (assigning another one drops every plan)."""
+
+    def __init__(self, layer):
+        attention = layer.attention.self
+        self.holders = (layer.intermediate, attention, layer.attention.output.LayerNorm, layer.output.LayerNorm)
+        linears = (attention.query, attention.key, attention.value, layer.attention.output.dense,
+                   layer.intermediate.dense, layer.output.dense)
+        self.int8_linears = tuple(m for m in linears if type(m) is not torch.nn.Linear)
+
+    def __call__(self) -> tuple:
+        intermediate, attention, norm1, norm2 = self.holders
+        return (intermediate.approximate, attention.num_attention_heads, norm1.eps, norm2.eps,
+                [m.observer is None for m in self.int8_linears])
 
 
 def program(layer, calls) -> LayerProgram | None:
