@@ -576,12 +576,14 @@ class _Running:
 
 
 _UNBUILT = object()  # a block whose program is yet to be built
+RETRY = object()  # a block's build: no program now, try again at the block's next replay
 
 
 class block:
     """Context for `module`'s forward within a planned forward. Recording, the op calls it makes are kept
     as one block. Replaying, it gives a function that runs them in one call: `build(module, calls)` (the
-    block's records, as _Plan.calls holds them) makes a program, once per plan (None where it cannot), that
+    block's records, as _Plan.calls holds them) makes a program, once per plan (None where it cannot, RETRY
+    where it cannot yet), that
     takes the forward's arguments; while the program's `current()` holds, the function runs it, notes the
     block's calls as dispatch.record() would have seen them, and moves the plan past them. Else it gives
     None and the forward runs op by op."""
@@ -602,7 +604,10 @@ class block:
         if entry is None or entry[0] is not self.module:
             return None
         if entry[2] is _UNBUILT:
-            entry[2] = self.build(self.module, running.plan.calls[running.position:entry[1]])
+            built = self.build(self.module, running.plan.calls[running.position:entry[1]])
+            if built is RETRY:
+                return None
+            entry[2] = built
         program = entry[2]
         if program is None:
             return None

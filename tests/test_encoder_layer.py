@@ -2,6 +2,8 @@
 that makes the kernel calls the layer's ops made, so it gives what op by op gives, bit for bit, for every
 implementation it knows; it serves only while the weights and the layer's settings are the ones it was
 made from."""
+import importlib
+
 import pytest
 import torch
 
@@ -18,10 +20,13 @@ SHAPES = ("padded", "unmasked", "batch of one")  # padding -> varlen (packed tok
 
 
 def model_of(dtype, approximate="none"):
+    """A small model in fp32, bf16, int8 (float32 between the GEMMs) or int8-bf16."""
     torch.manual_seed(0)
     config = fastbert.BertConfig(**CONFIG, hidden_act="gelu" if approximate == "none" else "gelu_new")
     model = fastbert.BertModel(config).eval()
-    return fastbert.quantize(model) if dtype == "int8" else model.to({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+    if dtype.startswith("int8"):
+        model = fastbert.quantize(model)
+    return model.to(torch.bfloat16 if dtype.endswith("bf16") else torch.float32)
 
 
 def inputs(shape):
@@ -61,7 +66,7 @@ def choose(monkeypatch, variants: dict):
 def forward(model, ids, mask):
     with torch.inference_mode(), poison_outputs(), dispatch.record() as calls:
         out = model(ids, attention_mask=mask).last_hidden_state
-    return out, [(c.op, c.backend, c.variant) for c in calls]
+    return out, [(c.op, c.backend, c.variant, c.skipped) for c in calls]
 
 
 def check_one_call_equals_op_by_op(model, ids, mask, runs):
@@ -71,13 +76,13 @@ def check_one_call_equals_op_by_op(model, ids, mask, runs):
     assert runs.count - before == CONFIG["num_hidden_layers"], "the layers did not run as one call each"
     assert torch.isfinite(one_call.float()).all()
     assert torch.equal(one_call, op_by_op)
-    assert replayed == recorded  # dispatch.record() sees the calls the one call stands for
+    assert replayed == recorded  # dispatch.record() sees the calls the one call stands for, with their reasons
     return recorded
 
 
 FLOAT_CHOICES = {
     "onednn": {"qkv_projection": "onednn", "dense": "onednn", "attention": "fastbert", "varlen_attention": "fastbert"},
-    "torch": {"qkv_projection": "torch", "dense": "torch"},
+    "torch": {"qkv_projection": "torch", "dense": "torch", "attention": "torch"},
     "onednn+bias_gelu": {"dense": "onednn+bias_gelu"},
     "brgemm": {"attention": "brgemm", "varlen_attention": "brgemm"},
 }
@@ -92,27 +97,40 @@ def test_float_layers_in_one_call_equal_op_by_op(monkeypatch, choice, dtype, sha
     choose(monkeypatch, FLOAT_CHOICES[choice])
     runs = Runs(monkeypatch)
     recorded = check_one_call_equals_op_by_op(model_of(dtype), *inputs(shape), runs)
-    ran = {variant for op, _, variant in recorded if op in ("dense", "qkv_projection", "attention", "varlen_attention")}
+    ran = {variant for op, _, variant, _ in recorded if op in ("dense", "qkv_projection", "attention", "varlen_attention")}
     if choice == "brgemm" and "brgemm" not in ran:
         pytest.skip("brgemm attention cannot run on this machine (its one-time check refused it)")
     assert choice in ran or choice == "onednn" and ran <= {"onednn", "fastbert"}
 
 
 @pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", ["int8", "int8-bf16"])
 @pytest.mark.parametrize("gemm", ["fastbert", "onednn"])
-def test_int8_layers_in_one_call_equal_op_by_op(monkeypatch, gemm, shape):
+def test_int8_layers_in_one_call_equal_op_by_op(monkeypatch, gemm, dtype, shape):
     choose(monkeypatch, {"quantized_dense": gemm})
     runs = Runs(monkeypatch)
-    recorded = check_one_call_equals_op_by_op(model_of("int8"), *inputs(shape), runs)
-    gemms = {variant for op, _, variant in recorded if op == "quantized_dense"}
+    recorded = check_one_call_equals_op_by_op(model_of(dtype), *inputs(shape), runs)
+    gemms = {variant for op, _, variant, _ in recorded if op == "quantized_dense"}
     if gemm == "onednn" and gemms != {"onednn"}:
         pytest.skip("oneDNN's int8 GEMM cannot serve on this CPU (quantized_dense's onednn variant is refused)")
     assert gemms == {gemm}
 
 
-def test_gelu_tanh_layers(monkeypatch):
+@pytest.mark.parametrize("gemm", ["fastbert", "onednn"])
+def test_int8_gemms_in_blocks_of_rows(monkeypatch, gemm):
+    """quantized_dense splits a GEMM into blocks of rows that stay in cache (32 at the least): so does the one
+    call, at the same rows."""
+    quantized_dense = importlib.import_module("fastbert.ops.quantized_dense")  # (fastbert.ops has its function)
+    monkeypatch.setattr(quantized_dense, "_cache_bytes", lambda: 1024)  # blocks of 32 rows
+    choose(monkeypatch, {"quantized_dense": gemm})
+    ids, mask = inputs("unmasked")  # 36 rows: two blocks
+    check_one_call_equals_op_by_op(model_of("int8"), ids, mask, Runs(monkeypatch))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+def test_gelu_tanh_layers(monkeypatch, dtype):
     runs = Runs(monkeypatch)
-    check_one_call_equals_op_by_op(model_of("fp32", approximate="tanh"), *inputs("padded"), runs)
+    check_one_call_equals_op_by_op(model_of(dtype, approximate="tanh"), *inputs("padded"), runs)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "int8"])
@@ -151,3 +169,63 @@ def test_bad_arguments_are_refused_by_name():
     with pytest.raises(RuntimeError, match="contiguous"):
         torch.ops.fastbert_C.encoder_layer(x.t(), None, None, None, None, None, 0, 0, [None] * 20, [0] * 10, 1e-12,
                                            False)
+
+
+def test_weights_written_before_the_first_replay(monkeypatch):
+    """Written between the forward that records the plan and the first that replays it, the packed copies
+    are missing then: that forward runs op by op (packing them again) and the next ones as one call."""
+    runs = Runs(monkeypatch)
+    model, (ids, mask) = model_of("fp32"), inputs("padded")
+    forward(model, ids, mask)
+    with torch.no_grad():
+        model.encoder.layer[0].intermediate.dense.weight.mul_(0.5)
+    first, _ = forward(model, ids, mask)
+    assert runs.count == CONFIG["num_hidden_layers"] - 1
+    check = model_of("fp32")
+    check.load_state_dict(model.state_dict())
+    assert torch.equal(first, forward(check, ids, mask)[0])
+    later, _ = forward(model, ids, mask)
+    assert runs.count == 2 * CONFIG["num_hidden_layers"] - 1 and torch.equal(later, first)
+
+
+def test_hooks_training_and_own_forwards_inside_a_layer_run_op_by_op(monkeypatch):
+    """The one call runs no module inside the layer: a hook there, a module switched to training, or an
+    instance's own forward makes that layer run op by op again."""
+    runs = Runs(monkeypatch)
+    model, (ids, mask) = model_of("fp32"), inputs("padded")
+    check_one_call_equals_op_by_op(model, ids, mask, runs)
+    expected, _ = forward(model, ids, mask)
+    seen = []
+    handle = model.encoder.layer[1].intermediate.register_forward_hook(lambda *_: seen.append(1))
+    before = runs.count
+    out, _ = forward(model, ids, mask)
+    assert seen == [1] and runs.count - before == 1 and torch.equal(out, expected)
+    handle.remove()
+    global_handle = torch.nn.modules.module.register_module_forward_hook(lambda *_: None)
+    before = runs.count
+    forward(model, ids, mask)
+    assert runs.count == before
+    global_handle.remove()
+    layer_norm = model.encoder.layer[0].output.LayerNorm
+    layer_norm.forward = lambda *a: (seen.append(2), torch.nn.LayerNorm.forward(layer_norm, *a))[1]
+    before = runs.count
+    forward(model, ids, mask)
+    assert runs.count - before == 1
+    del layer_norm.forward
+    model.encoder.layer[1].attention.train()  # dropout 0.1 in training: the op-by-op calls differ
+    before = runs.count
+    forward(model, ids, mask)
+    assert runs.count - before <= 1
+
+
+def test_parametrized_layer_norms_and_inference_tensors_run_op_by_op(monkeypatch):
+    runs = Runs(monkeypatch)
+    model, (ids, mask) = model_of("fp32"), inputs("padded")
+    torch.nn.utils.parametrize.register_parametrization(model.encoder.layer[0].output.LayerNorm, "weight",
+                                                        torch.nn.Identity())
+    op_by_op, _ = forward(model, ids, mask)
+    assert torch.equal(forward(model, ids, mask)[0], op_by_op) and runs.count == 1  # layer 1 only
+    with torch.inference_mode():
+        made = model_of("fp32")  # parameters made in inference mode: inference tensors, no version counter
+    first = forward(made, ids, mask)[0]
+    assert torch.equal(forward(made, ids, mask)[0], first) and runs.count == 1

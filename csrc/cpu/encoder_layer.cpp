@@ -18,17 +18,19 @@
 namespace fastbert {
 namespace {
 
-// codes: int8 or float; heads; attention's variant (fastbert 0, brgemm 1); for each linear (QKV, output,
+// codes: int8 or float; heads; attention's variant (Attention below); for each linear (QKV, output,
 // FFN in, FFN out) how it ran (Linear or Int8Gemm below); GELU's form (1 erf, 2 tanh); the bytes that
 // quantized_dense's blocks of rows fill (_cache_bytes); whether to NaN-fill outputs (as fastbert's tests do).
 enum Code : int64_t {
-  kInt8, kHeads, kBrgemm, kQkvLinear, kOutLinear, kInLinear, kFfnLinear, kActivation, kCacheBytes, kPoison, kCodes
+  kInt8, kHeads, kAttention, kQkvLinear, kOutLinear, kInLinear, kFfnLinear, kActivation, kCacheBytes, kPoison, kCodes
 };
 // dense's variants (and qkv_projection's onednn and torch): oneDNN's packed GEMM with bias and GELU as
 // post-ops; the same without them, then fastbert's bias_gelu kernel in place; torch's F.linear and F.gelu.
 enum Linear : int64_t { kOnednn, kOnednnThenBiasGelu, kTorch };
 // quantized_dense's variants: fastbert's own GEMM (int8_gemm.h), oneDNN's u8 x s8 GEMM.
 enum Int8Gemm : int64_t { kOwnGemm, kOnednnGemm };
+// attention's variants: fastbert's kernel, the same on ATen's brgemm, torch's SDPA (padded batches only).
+enum Attention : int64_t { kFastbert, kBrgemm, kTorchSdpa };
 
 template <typename Signature>
 c10::TypedOperatorHandle<Signature> find(const char* name) {
@@ -217,6 +219,10 @@ struct Layer {
     at::Tensor split = padded ? qkv.view({batch, seq, 3, heads, d}).permute({2, 0, 3, 1, 4})
                               : qkv.view({t, 3, heads, d}).transpose(0, 1);
     at::Tensor q = split[0], k = split[1], v = split[2];  // [B, heads, S, d] or [T, heads, d], strided
+    if (codes[kAttention] == kTorchSdpa) {  // attention's torch variant: mask [B, 1, 1, S], True = keep
+      const Opt mask = key_mask.has_value() ? Opt(key_mask->view({batch, 1, 1, seq})) : std::nullopt;
+      return at::scaled_dot_product_attention(q, k, v, mask).transpose(1, 2).reshape({t, hidden});
+    }
     at::Tensor out, lse;
     if (padded) {
       out = empty({batch, seq, heads, d}, qkv.options()).transpose(1, 2);  // the output projection reads it so
@@ -226,7 +232,7 @@ struct Layer {
       lse = empty({heads, t}, qkv.options().dtype(at::kFloat));
     }
     const double scale = std::pow(static_cast<double>(d), -0.5);  // Python's d ** -0.5
-    if (codes[kBrgemm]) {
+    if (codes[kAttention] == kBrgemm) {
       const int64_t row_dim = padded ? 2 : 0;  // brgemm reads k's rows as bfloat16 pairs: an even row stride
       if (k.stride(row_dim) % 2) k = k.contiguous();
       ops().attention_brgemm.call(q, k, v, key_mask, cu_seqlens, scale, 0.0, 0, out, lse);
@@ -245,6 +251,14 @@ std::vector<at::Tensor> encoder_layer(const at::Tensor& x, const Opt& rows_q, co
   TORCH_CHECK(weights.size() == 20 && codes.size() == kCodes, "encoder_layer: 20 weight slots and ", int(kCodes),
               " codes (fastbert/ops/encoder_layer.py makes them)");
   TORCH_CHECK(batch == 0 || batch * seq == x.size(0), "encoder_layer: batch x seq must be x's rows when padded");
+  TORCH_CHECK(rows_q.has_value() == rows_scale.has_value() && rows_q.has_value() == rows_zero_point.has_value(),
+              "encoder_layer: rows_q, rows_scale and rows_zero_point come together (x quantized) or not at all");
+  TORCH_CHECK(codes[kHeads] > 0 && x.size(1) % codes[kHeads] == 0 && codes[kAttention] >= kFastbert &&
+                  codes[kAttention] <= kTorchSdpa && (codes[kAttention] != kTorchSdpa || batch > 0) &&
+                  codes[kActivation] >= 1 && codes[kActivation] <= 2,
+              "encoder_layer: codes out of range (heads must divide the hidden size; torch's SDPA is for padded "
+              "batches only)");
+  TORCH_CHECK(batch > 0 || cu_seqlens.has_value(), "encoder_layer: packed tokens (batch 0) need cu_seqlens");
   const std::vector<int64_t> code_list = codes.vec();
   const Layer layer{weights, code_list, batch, seq, eps};
   const at::ScalarType dtype = x.scalar_type();

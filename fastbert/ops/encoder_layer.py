@@ -11,13 +11,20 @@ probabilities) runs op by op.
 """
 from __future__ import annotations
 
+import importlib
+
 import torch
 
+from torch.nn.utils.parametrize import is_parametrized
+
+from fastbert import dispatch
 from fastbert.ops import _alloc
-from fastbert.ops.quantized_dense import _cache_bytes
 from fastbert.ops.reference import QuantizedRows
 
-ATTENTION = {"fastbert": 0, "brgemm": 1}  # attention / varlen_attention variants -> codes[kBrgemm]
+# The module (in fastbert.ops that name is its function): the one call's blocks of rows are its rows_per_block's.
+_quantized_dense = importlib.import_module("fastbert.ops.quantized_dense")
+
+ATTENTION = {"fastbert": 0, "brgemm": 1, "torch": 2}  # attention / varlen_attention variants -> Attention
 LINEARS = {"onednn": 0, "onednn+bias_gelu": 1, "torch": 2}  # dense's (and qkv_projection's) variants -> Linear
 INT8_GEMMS = {"fastbert": 0, "onednn": 1}  # quantized_dense's variants -> Int8Gemm
 ACTIVATIONS = {("gelu", "none"): 1, ("gelu", "tanh"): 2}
@@ -42,18 +49,17 @@ class LayerProgram:
     """One BertLayer's arguments to fastbert_C::encoder_layer: its weights as its op calls use them, and the
     codes of the implementations they ran. Serves while the tensors it was made from are unchanged."""
 
-    def __init__(self, layer, weights, codes, eps, sources):
+    def __init__(self, settings: Settings, weights, codes, eps, sources):
         self.weights, self.codes, self.eps = weights, codes, eps
         self.poisoned_codes = [*codes[:-1], 1]  # the C++ side NaN-fills its outputs, as _alloc does
         self.sources = sources
         self.versions = [t._version for t in sources]
-        self.settings = Settings(layer)
-        self.recorded = self.settings()
+        self.settings, self.recorded = settings, settings()
 
     def current(self) -> bool:
         """Whether no source was written in place since (the packed copies would be stale) and the layer's
         plain attributes are as they were (no hook sees them change; op by op, the ops' flags would)."""
-        return [t._version for t in self.sources] == self.versions and self.settings() == self.recorded
+        return self.settings() == self.recorded and [t._version for t in self.sources] == self.versions
 
     def __call__(self, x, attention_mask, packing, x_rows, quantize_output):
         """BertLayer.forward's (out, None, out as QuantizedRows or None) for its arguments."""
@@ -72,27 +78,38 @@ class LayerProgram:
 
 
 class Settings:
-    """Reads what a BertLayer's forward takes from plain attributes, which no hook sees change: GELU's form,
-    heads, LayerNorm eps and, in an int8 layer, whether a linear is calibrating (then its input is not
-    quantized rows). The modules are found once (assigning another one drops every plan)."""
+    """What a BertLayer's forward depends on beyond its tensors and its plan, none of which a plan notices
+    change: GELU's form, heads and LayerNorm eps (plain attributes), and for every module inside the layer
+    its training flag, its forward hooks and an instance's own forward (the one call runs none of them), and
+    in an int8 layer whether a linear is calibrating. The modules are found once (assigning another one
+    drops every plan)."""
 
     def __init__(self, layer):
         attention = layer.attention.self
         self.holders = (layer.intermediate, attention, layer.attention.output.LayerNorm, layer.output.LayerNorm)
-        linears = (attention.query, attention.key, attention.value, layer.attention.output.dense,
-                   layer.intermediate.dense, layer.output.dense)
-        self.int8_linears = tuple(m for m in linears if type(m) is not torch.nn.Linear)
+        self.inside = tuple(layer.modules())[1:]
+        self.int8_linears = tuple(m for m in (attention.query, attention.key, attention.value,
+                                              layer.attention.output.dense, layer.intermediate.dense,
+                                              layer.output.dense) if type(m) is not torch.nn.Linear)
 
     def __call__(self) -> tuple:
         intermediate, attention, norm1, norm2 = self.holders
         return (intermediate.approximate, attention.num_attention_heads, norm1.eps, norm2.eps,
-                [m.observer is None for m in self.int8_linears])
+                [m.observer is None for m in self.int8_linears], self.runs_plainly())
+
+    def runs_plainly(self) -> bool:
+        """No module inside is training, hooked or given its own forward, and no global forward hook is set."""
+        hooks = torch.nn.modules.module
+        return not (hooks._global_forward_hooks or hooks._global_forward_pre_hooks or any(
+            m.training or m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in self.inside))
 
 
 def program(layer, calls) -> LayerProgram | None:
     """The one-call program of `layer` (a fastbert BertLayer) whose forward made `calls` (a plan's records:
     (signature, fn, backend, skipped, variant); a signature is (op, first tensor's shape, dtype, *the op's
-    trusted() flags)), or None where a call is not one the C++ layer makes."""
+    trusted() flags)); None where a call is not one the C++ layer makes, or the layer is not one it can run;
+    dispatch.RETRY where it cannot now: a packed weight the layer's calls keep is missing (written since:
+    the next forward op by op packs it again), or a module inside is hooked or training."""
     if len(calls) != 7 or any(backend != "cpu" for _, _, backend, _, _ in calls):
         return None
     signatures = [c[0] for c in calls]
@@ -110,21 +127,30 @@ def program(layer, calls) -> LayerProgram | None:
         return None
     self_attention, attention_out, ffn_in, ffn_out = (layer.attention.self, layer.attention.output,
                                                        layer.intermediate, layer.output)
-    if norms[0][3] != attention_out.LayerNorm.eps or norms[1][3] != ffn_out.LayerNorm.eps:
-        return None
+    if norms[0][3] != attention_out.LayerNorm.eps or norms[1][3] != ffn_out.LayerNorm.eps or norms[0][3] != norms[1][3]:
+        return None  # (one eps a layer: the C++ call takes one)
+    norm_modules = (attention_out.LayerNorm, ffn_out.LayerNorm)
+    if any(type(m) is not torch.nn.LayerNorm for m in norm_modules):
+        return None  # a parametrized LayerNorm computes its weight in its forward
+    settings = Settings(layer)
+    if any(is_parametrized(m) for m in settings.inside):
+        return None  # (parametrizing a module drops the plans anyway)
+    if not settings.runs_plainly():
+        return dispatch.RETRY  # hooks and training come and go
+    if any(t.is_inference() for t in layer.parameters()) or any(t.is_inference() for t in layer.buffers()):
+        return None  # no version counter: a write could not be told (nor are their packed copies kept)
     int8 = signatures[0][0] == "quantized_dense"
     built = _int8(layer, signatures, variants) if int8 else _float(layer, signatures, variants)
     if built is None:
         return None
+    if built is dispatch.RETRY:
+        return built
     weights, activation, linears, sources = built
-    norm_params = (attention_out.LayerNorm.weight, attention_out.LayerNorm.bias, ffn_out.LayerNorm.weight,
-                   ffn_out.LayerNorm.bias)
-    weights[8:10], weights[18:20] = norm_params[:2], norm_params[2:]
+    norm_params = [t for m in norm_modules for t in (m.weight, m.bias)]
+    weights[8:10], weights[18:20] = (t.contiguous() for t in norm_params[:2]), (t.contiguous() for t in norm_params[2:])
     codes = [int(int8), self_attention.num_attention_heads, ATTENTION[variants[1]], *linears, activation,
-             _cache_bytes() if int8 else 0, 0]
-    if norms[0][3] != norms[1][3]:
-        return None  # one eps a layer: the C++ call takes one
-    return LayerProgram(layer, weights, codes, float(norms[0][3]), [*sources, *norm_params])
+             _quantized_dense._cache_bytes() if int8 else 0, 0]
+    return LayerProgram(settings, weights, codes, float(norms[0][3]), [*sources, *norm_params])
 
 
 def _float(layer, signatures, variants):
@@ -157,7 +183,7 @@ def _float(layer, signatures, variants):
         # oneDNN's runs read the packed copy the op calls kept; torch's the weight itself
         weights[slot] = weight if kind == "torch" else _kept(prepared, "onednn", (weight,))
         if weights[slot] is None:
-            return None
+            return dispatch.RETRY
         weights[slot + 3] = bias.contiguous()
     sources = [p for m in modules for p in (m.weight, m.bias)]
     return weights, ACTIVATIONS[ffn_in[3:5]], [LINEARS[k] for k in kinds], sources
@@ -189,14 +215,16 @@ def _int8(layer, signatures, variants):
     buffers = [m.buffers_now() for m in modules]
     stacked = _kept(self_attention.prepared, "qkv_int8", tuple(t for b in buffers[:3] for t in b[:3]))
     if stacked is None:
-        return None
+        return dispatch.RETRY
     linears = ((self_attention.prepared, *stacked), *((m.prepared, *b[:3]) for m, b in zip(modules[3:], buffers[3:])))
     weights = [None] * 20
     for slot, kind, (prepared, weight, scale, bias) in zip((0, 4, 10, 14), kinds, linears):
         packed = _kept(prepared, "int8_packed" if kind == "fastbert" else "onednn_int8", (weight,))
         sums = _kept(prepared, "int8_sums", (weight, scale))
-        if packed is None or sums is None or bias.dtype != torch.float32 or not bias.is_contiguous():
+        if bias.dtype != torch.float32 or not bias.is_contiguous():
             return None
+        if packed is None or sums is None:
+            return dispatch.RETRY
         weights[slot:slot + 4] = packed, scale.contiguous(), sums, bias
     sources = [t for b in buffers for t in b[:3]]
     return weights, ACTIVATIONS[ffn_in[3:5]], [INT8_GEMMS[k] for k in kinds], sources
