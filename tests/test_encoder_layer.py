@@ -229,3 +229,28 @@ def test_parametrized_layer_norms_and_inference_tensors_run_op_by_op(monkeypatch
         made = model_of("fp32")  # parameters made in inference mode: inference tensors, no version counter
     first = forward(made, ids, mask)[0]
     assert torch.equal(forward(made, ids, mask)[0], first) and runs.count == 1
+
+
+@pytest.mark.parametrize("setting", ["approximate", "heads", "eps"])
+def test_a_layer_setting_changed_after_its_program_is_seen(monkeypatch, setting):
+    """Plain attributes no hook sees: the one call checks them, and the forward gives the fresh model's
+    result for the new setting."""
+    runs = Runs(monkeypatch)
+    model, (ids, mask) = model_of("fp32"), inputs("padded")
+    check_one_call_equals_op_by_op(model, ids, mask, runs)
+    layer = model.encoder.layer[1]
+    if setting == "approximate":
+        layer.intermediate.approximate = "tanh"
+    elif setting == "heads":
+        layer.attention.self.num_attention_heads = 2
+    else:
+        layer.output.LayerNorm.eps = 1e-3
+    changed, _ = forward(model, ids, mask)
+    fresh = model_of("fp32")
+    fresh.load_state_dict(model.state_dict())
+    fresh_layer = fresh.encoder.layer[1]
+    fresh_layer.intermediate.approximate = layer.intermediate.approximate
+    fresh_layer.attention.self.num_attention_heads = layer.attention.self.num_attention_heads
+    fresh_layer.output.LayerNorm.eps = layer.output.LayerNorm.eps
+    assert torch.equal(changed, forward(fresh, ids, mask)[0])
+    assert not torch.equal(changed, forward(model_of("fp32"), ids, mask)[0])
