@@ -14,7 +14,6 @@ from __future__ import annotations
 import importlib
 
 import torch
-
 from torch.nn.utils.parametrize import is_parametrized
 
 from fastbert import dispatch
@@ -31,7 +30,7 @@ ACTIVATIONS = {("gelu", "none"): 1, ("gelu", "tanh"): 2}
 
 
 class _NotKept(LookupError):
-    """A prepared weight the layer's own calls did not keep (then no program)."""
+    """A prepared weight the layer's own calls did not keep (then no program yet)."""
 
 
 def _kept(prepared, name, sources):
@@ -47,7 +46,8 @@ def _kept(prepared, name, sources):
 
 class LayerProgram:
     """One BertLayer's arguments to fastbert_C::encoder_layer: its weights as its op calls use them, and the
-    codes of the implementations they ran. Serves while the tensors it was made from are unchanged."""
+    codes of the implementations they ran. Serves while the tensors it was made from are unwritten and the
+    layer's settings unchanged (`current`)."""
 
     def __init__(self, settings: Settings, weights, codes, eps, sources):
         self.weights, self.codes, self.eps = weights, codes, eps
@@ -141,9 +141,7 @@ def program(layer, calls) -> LayerProgram | None:
         return None  # no version counter: a write could not be told (nor are their packed copies kept)
     int8 = signatures[0][0] == "quantized_dense"
     built = _int8(layer, signatures, variants) if int8 else _float(layer, signatures, variants)
-    if built is None:
-        return None
-    if built is dispatch.RETRY:
+    if built is None or built is dispatch.RETRY:
         return built
     weights, activation, linears, sources = built
     norm_params = [t for m in norm_modules for t in (m.weight, m.bias)]
