@@ -582,11 +582,10 @@ RETRY = object()  # a block's build: no program now, try again at the block's ne
 class block:
     """Context for `module`'s forward within a planned forward. Recording, the op calls it makes are kept
     as one block. Replaying, it gives a function that runs them in one call: `build(module, calls)` (the
-    block's records, as _Plan.calls holds them) makes a program, once per plan (None where it cannot, RETRY
-    where it cannot yet), that
-    takes the forward's arguments; while the program's `current()` holds, the function runs it, notes the
-    block's calls as dispatch.record() would have seen them, and moves the plan past them. Else it gives
-    None and the forward runs op by op."""
+    block's records, as _Plan.calls holds them) makes a program that takes the forward's arguments, once
+    per plan (None where it cannot, RETRY where it cannot yet); while the program's `current()` holds, the
+    function runs it, notes the block's calls as dispatch.record() would have seen them, and moves the plan
+    past them. Else it gives None and the forward runs op by op."""
 
     __slots__ = ("module", "build", "running", "start", "end")
 
@@ -611,7 +610,7 @@ class block:
         program = entry[2]
         if program is None:
             return None
-        if not program.current():  # its packed weights are stale: this forward repacks them op by op
+        if not program.current():  # stale (weights written, settings changed): this forward runs op by op
             entry[2] = _UNBUILT
             return None
         self.start, self.end = running.position, entry[1]
