@@ -104,7 +104,7 @@ struct Rows {
 
 struct Layer {
   const c10::List<Opt>& weights;
-  const std::vector<int64_t>& codes;
+  at::IntArrayRef codes;
   int64_t batch, seq;  // padded: x is [batch * seq, H]; packed: batch 0
   double eps;
 
@@ -259,24 +259,23 @@ std::vector<at::Tensor> encoder_layer(const at::Tensor& x, const Opt& rows_q, co
               "encoder_layer: codes out of range (heads must divide the hidden size; torch's SDPA is for padded "
               "batches only)");
   TORCH_CHECK(batch > 0 || cu_seqlens.has_value(), "encoder_layer: packed tokens (batch 0) need cu_seqlens");
-  const std::vector<int64_t> code_list = codes.vec();
-  const Layer layer{weights, code_list, batch, seq, eps};
+  const Layer layer{weights, codes, batch, seq, eps};
   const at::ScalarType dtype = x.scalar_type();
   const bool rows_in = rows_q.has_value();
   TORCH_CHECK(!rows_in || layer.int8(), "encoder_layer: quantized rows go in only to an int8 layer");
   const Rows x_rows = rows_in ? Rows{rows_q->reshape({x.size(0), -1}), *rows_scale, *rows_zero_point} : Rows{};
 
-  const at::Tensor qkv = layer.linear(x, rows_in ? &x_rows : nullptr, 0, dtype, code_list[kQkvLinear]);
+  const at::Tensor qkv = layer.linear(x, rows_in ? &x_rows : nullptr, 0, dtype, codes[kQkvLinear]);
   const at::Tensor context = layer.attention(qkv, key_mask, cu_seqlens);
-  const at::Tensor y = layer.linear(context, nullptr, 4, dtype, code_list[kOutLinear]);
+  const at::Tensor y = layer.linear(context, nullptr, 4, dtype, codes[kOutLinear]);
   at::Tensor hidden, ffn_out;  // the LayerNorm's output (the next residual) and FFN out's
   if (layer.int8()) {
-    const Rows h = layer.requantize(layer.layer_norm_quantize(y, x, 8, hidden), code_list[kInLinear]);
-    ffn_out = layer.linear(at::Tensor(), &h, 14, dtype, code_list[kFfnLinear]);
+    const Rows h = layer.requantize(layer.layer_norm_quantize(y, x, 8, hidden), codes[kInLinear]);
+    ffn_out = layer.linear(at::Tensor(), &h, 14, dtype, codes[kFfnLinear]);
   } else {
     hidden = layer.layer_norm(y, x, 8);
-    const at::Tensor h = layer.linear(hidden, nullptr, 10, dtype, code_list[kInLinear], /*gelu=*/true);
-    ffn_out = layer.linear(h, nullptr, 14, dtype, code_list[kFfnLinear]);
+    const at::Tensor h = layer.linear(hidden, nullptr, 10, dtype, codes[kInLinear], /*gelu=*/true);
+    ffn_out = layer.linear(h, nullptr, 14, dtype, codes[kFfnLinear]);
   }
   if (!quantize_output) return {layer.layer_norm(ffn_out, hidden, 18)};
   at::Tensor out;

@@ -77,6 +77,13 @@ class LayerProgram:
         return y, None, QuantizedRows(out[1].view(x.shape), out[2], out[3], x.dtype) if quantize_output else None
 
 
+def linear_modules(layer) -> tuple:
+    """A BertLayer's six linears: query, key, value, attention output, FFN in, FFN out."""
+    attention = layer.attention.self
+    return (attention.query, attention.key, attention.value, layer.attention.output.dense, layer.intermediate.dense,
+            layer.output.dense)
+
+
 class Settings:
     """What a BertLayer's forward depends on beyond its tensors and its plan, none of which a plan notices
     change: GELU's form, heads and LayerNorm eps (plain attributes), and for every module inside the layer
@@ -88,9 +95,7 @@ class Settings:
         attention = layer.attention.self
         self.holders = (layer.intermediate, attention, layer.attention.output.LayerNorm, layer.output.LayerNorm)
         self.inside = tuple(layer.modules())[1:]
-        self.int8_linears = tuple(m for m in (attention.query, attention.key, attention.value,
-                                              layer.attention.output.dense, layer.intermediate.dense,
-                                              layer.output.dense) if type(m) is not torch.nn.Linear)
+        self.int8_linears = tuple(m for m in linear_modules(layer) if type(m) is not torch.nn.Linear)
 
     def __call__(self) -> tuple:
         intermediate, attention, norm1, norm2 = self.holders
@@ -125,8 +130,7 @@ def program(layer, calls) -> LayerProgram | None:
     norms = signatures[3], signatures[6]  # (op, shape, dtype, eps, dropout_p, quantize_output)
     if any(s[0] != "add_layer_norm" or s[4] != 0.0 for s in norms):
         return None
-    self_attention, attention_out, ffn_in, ffn_out = (layer.attention.self, layer.attention.output,
-                                                       layer.intermediate, layer.output)
+    self_attention, attention_out, ffn_out = layer.attention.self, layer.attention.output, layer.output
     if norms[0][3] != attention_out.LayerNorm.eps or norms[1][3] != ffn_out.LayerNorm.eps or norms[0][3] != norms[1][3]:
         return None  # (one eps a layer: the C++ call takes one)
     norm_modules = (attention_out.LayerNorm, ffn_out.LayerNorm)
@@ -169,8 +173,7 @@ def _float(layer, signatures, variants):
     if any(k not in LINEARS for k in kinds) or "onednn+bias_gelu" in (kinds[0], kinds[1], kinds[3]):
         return None
     self_attention = layer.attention.self
-    modules = (self_attention.query, self_attention.key, self_attention.value, layer.attention.output.dense,
-               layer.intermediate.dense, layer.output.dense)
+    modules = linear_modules(layer)
     if not all(type(m) is torch.nn.Linear for m in modules):
         return None
     qkv_weight, qkv_bias = self_attention.fused_qkv()
@@ -205,8 +208,7 @@ def _int8(layer, signatures, variants):
     if signatures[3][5] is not True:  # the first LayerNorm quantizes FFN in's input
         return None
     self_attention = layer.attention.self
-    modules = (self_attention.query, self_attention.key, self_attention.value, layer.attention.output.dense,
-               layer.intermediate.dense, layer.output.dense)
+    modules = linear_modules(layer)
     # fastbert.quantization's Int8Linear, dynamic (by what it has: ops never import the model's modules)
     if not all(type(m) is not torch.nn.Linear and getattr(m, "takes_quantized_rows", False) for m in modules):
         return None
