@@ -53,6 +53,13 @@ TORCH_LIBRARY(fastbert_C, m) {
   m.def("int8_matmul_dequantize(Tensor q, Tensor packed, int n, int k, Tensor weight_scale, Tensor scale, "
         "Tensor zero_point, Tensor wsum, Tensor? bias, int activation, int isa, Tensor(a!) out) -> ()");
   m.def("int8_isa_supported(int isa) -> bool");  // whether int8_matmul runs with this isa here
+  // fastbert's own bfloat16 GEMM: weight bfloat16 [n, k] -> packed [ceil(n/16), ceil(k/2), 16, 2] (padding
+  // zero); out[m, n] = act(x @ weight^T + bias) in bfloat16, the sums in float32, activation 0 none, 1 gelu,
+  // 2 gelu_tanh; n, k: the packed weight's shape. isa: 0 the best this CPU has, 1 portable C++, 2 avx512_bf16.
+  m.def("bf16_pack(Tensor weight) -> Tensor");
+  m.def("bf16_linear(Tensor x, Tensor packed, int n, int k, Tensor? bias, int activation, int isa, "
+        "Tensor(a!) out) -> ()");
+  m.def("bf16_isa_supported(int isa) -> bool");  // whether bf16_linear runs with this isa here
   // Inference, CPU: one encoder layer in one call (csrc/cpu/encoder_layer.cpp; fastbert/ops/encoder_layer.py).
   m.def("encoder_layer(Tensor x, Tensor? rows_q, Tensor? rows_scale, Tensor? rows_zero_point, Tensor? key_mask, "
         "Tensor? cu_seqlens, int batch, int seq, Tensor?[] weights, int[] codes, float eps, bool quantize_output) "
