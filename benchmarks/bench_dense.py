@@ -29,7 +29,7 @@ if DEVICE == "cpu" and not _onednn.missing():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("tokens", [1024, 4096])
+@pytest.mark.parametrize("tokens", [128, 1024, 4096])
 @pytest.mark.parametrize("k,n,activation", SHAPES, ids=[f"{k}x{n}-{a}" for k, n, a in SHAPES])
 @pytest.mark.parametrize("name,fn", CONTENDERS, ids=[n for n, _ in CONTENDERS])
 def test_dense(benchmark, name, fn, tokens, k, n, activation, dtype):

@@ -5,7 +5,8 @@
 //
 // weights: 20 slots, four per linear (weight, weight_scale, wsum, bias) for QKV (stacked), the attention
 // output, FFN in and FFN out at 0, 4, 10, 14, and (weight, bias) of the two LayerNorms at 8 and 18.
-// Float layers: the weight is oneDNN's packed copy and weight_scale / wsum are empty; int8 layers:
+// Float layers: the weight is oneDNN's packed copy (bf16_pack's for the own GEMM, the weight itself for
+// torch's) and weight_scale / wsum are empty; int8 layers:
 // int8_pack's packed weight, its float32 scales and scale x row sums (quantized_dense's "fastbert" GEMM).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -24,9 +25,10 @@ namespace {
 enum Code : int64_t {
   kInt8, kHeads, kAttention, kQkvLinear, kOutLinear, kInLinear, kFfnLinear, kActivation, kCacheBytes, kPoison, kCodes
 };
-// dense's variants (and qkv_projection's onednn and torch): oneDNN's packed GEMM with bias and GELU as
-// post-ops; the same without them, then fastbert's bias_gelu kernel in place; torch's F.linear and F.gelu.
-enum Linear : int64_t { kOnednn, kOnednnThenBiasGelu, kTorch };
+// dense's variants (and qkv_projection's onednn, torch and fastbert): oneDNN's packed GEMM with bias and
+// GELU as post-ops; the same without them, then fastbert's bias_gelu kernel in place; torch's F.linear and
+// F.gelu; fastbert's own bfloat16 GEMM (bf16_gemm.h) with both in its epilogue.
+enum Linear : int64_t { kOnednn, kOnednnThenBiasGelu, kTorch, kOwnBf16 };
 // quantized_dense's variants: fastbert's own GEMM (int8_gemm.h), oneDNN's u8 x s8 GEMM.
 enum Int8Gemm : int64_t { kOwnGemm, kOnednnGemm };
 // attention's variants: fastbert's kernel, the same on ATen's brgemm, torch's SDPA (padded batches only).
@@ -59,6 +61,7 @@ using DequantizeRowsFn = void(const at::Tensor&, const at::Tensor&, const at::Te
 using QlinearFn = at::Tensor(at::Tensor, double, int64_t, at::Tensor, at::Tensor, at::Tensor, Opt, double, int64_t,
                              std::optional<at::ScalarType>, std::string_view, c10::List<std::optional<at::Scalar>>,
                              std::string_view);
+using Bf16LinearFn = void(const at::Tensor&, const at::Tensor&, int64_t, int64_t, const Opt&, int64_t, int64_t, Out);
 using Int8MatmulFn = void(const at::Tensor&, const at::Tensor&, int64_t, int64_t, const at::Tensor&, int64_t, Out);
 using Int8MatmulDequantizeFn = void(const at::Tensor&, const at::Tensor&, int64_t, int64_t, const at::Tensor&,
                                     const at::Tensor&, const at::Tensor&, const at::Tensor&, const Opt&, int64_t,
@@ -87,6 +90,7 @@ struct Ops {
   c10::TypedOperatorHandle<QuantizeRowsFn> quantize_rows = find<QuantizeRowsFn>("fastbert_C::quantize_rows");
   c10::TypedOperatorHandle<RequantizeRowsFn> requantize_rows = find<RequantizeRowsFn>("fastbert_C::requantize_rows");
   c10::TypedOperatorHandle<DequantizeRowsFn> dequantize_rows = find<DequantizeRowsFn>("fastbert_C::dequantize_rows");
+  c10::TypedOperatorHandle<Bf16LinearFn> bf16_linear = find<Bf16LinearFn>("fastbert_C::bf16_linear");
   c10::TypedOperatorHandle<Int8MatmulFn> int8_matmul = find<Int8MatmulFn>("fastbert_C::int8_matmul");
   c10::TypedOperatorHandle<Int8MatmulDequantizeFn> int8_matmul_dequantize =
       find<Int8MatmulDequantizeFn>("fastbert_C::int8_matmul_dequantize");
@@ -136,6 +140,13 @@ struct Layer {
       if (kind == kTorch) {
         at::Tensor y = at::linear(x, w(slot), bias(slot + 3));
         return gelu ? at::gelu(y, tanh ? "tanh" : "none") : y;
+      }
+      if (kind == kOwnBf16) {  // n: the bias's (the packed weight is padded)
+        TORCH_CHECK(bias(slot + 3).has_value(), "encoder_layer: the own bfloat16 GEMM's linears need their bias");
+        const int64_t n = bias(slot + 3)->size(0);
+        at::Tensor y = empty({x.size(0), n}, x.options());
+        ops().bf16_linear.call(x, w(slot), n, x.size(1), bias(slot + 3), gelu ? codes[kActivation] : 0, 0, y);
+        return y;
       }
       c10::List<std::optional<at::Scalar>> scalars;
       scalars.push_back(std::nullopt);  // _onednn.POST_OPS' [None]
@@ -259,6 +270,9 @@ std::vector<at::Tensor> encoder_layer(const at::Tensor& x, const Opt& rows_q, co
               "encoder_layer: codes out of range (heads must divide the hidden size; torch's SDPA is for padded "
               "batches only)");
   TORCH_CHECK(batch > 0 || cu_seqlens.has_value(), "encoder_layer: packed tokens (batch 0) need cu_seqlens");
+  for (const int64_t code : {kQkvLinear, kOutLinear, kInLinear, kFfnLinear})
+    TORCH_CHECK(codes[code] >= 0 && codes[code] <= (codes[kInt8] ? kOnednnGemm : kOwnBf16),
+                "encoder_layer: a linear's code is out of range (Linear for float layers, Int8Gemm for int8)");
   const Layer layer{weights, codes, batch, seq, eps};
   const at::ScalarType dtype = x.scalar_type();
   const bool rows_in = rows_q.has_value();

@@ -24,9 +24,10 @@ from fastbert.ops.reference import QuantizedRows
 _quantized_dense = importlib.import_module("fastbert.ops.quantized_dense")
 
 ATTENTION = {"fastbert": 0, "brgemm": 1, "torch": 2}  # attention / varlen_attention variants -> Attention
-LINEARS = {"onednn": 0, "onednn+bias_gelu": 1, "torch": 2}  # dense's (and qkv_projection's) variants -> Linear
+LINEARS = {"onednn": 0, "onednn+bias_gelu": 1, "torch": 2, "fastbert": 3}  # dense's (and qkv_projection's) variants -> Linear
 INT8_GEMMS = {"fastbert": 0, "onednn": 1}  # quantized_dense's variants -> Int8Gemm
 ACTIVATIONS = {("gelu", "none"): 1, ("gelu", "tanh"): 2}
+PACKED = {"onednn": "onednn", "onednn+bias_gelu": "onednn", "fastbert": "bf16_packed"}  # a Linear's prepared copy
 
 
 class _NotKept(LookupError):
@@ -157,8 +158,8 @@ def program(layer, calls) -> LayerProgram | None:
 
 def _float(layer, signatures, variants):
     """(weights, activation code, the four linears' Linear codes, sources) of a float layer whose GEMMs ran
-    oneDNN's packed linear or torch's (qkv_projection's and dense's onednn, onednn+bias_gelu and torch
-    variants), or None."""
+    oneDNN's packed linear, the own bfloat16 GEMM or torch's (qkv_projection's and dense's onednn,
+    onednn+bias_gelu, fastbert and torch variants), or None."""
     qkv, out, ffn_in, ffn_out = signatures[0], signatures[2], signatures[4], signatures[5]
     if qkv[0] != "qkv_projection" or qkv[-1]:  # (..., num_heads, bias is None)
         return None
@@ -181,8 +182,8 @@ def _float(layer, signatures, variants):
         (m.prepared, m.dense.weight, m.dense.bias) for m in (layer.attention.output, layer.intermediate, layer.output)))
     weights = [None] * 20
     for slot, kind, (prepared, weight, bias) in zip((0, 4, 10, 14), kinds, linears):
-        # oneDNN's runs read the packed copy the op calls kept; torch's the weight itself
-        weights[slot] = weight if kind == "torch" else _kept(prepared, "onednn", (weight,))
+        # oneDNN's and the own GEMM's runs read the packed copy the op calls kept; torch's the weight itself
+        weights[slot] = weight if kind == "torch" else _kept(prepared, PACKED[kind], (weight,))
         if weights[slot] is None:
             return dispatch.RETRY
         weights[slot + 3] = bias.contiguous()

@@ -6,7 +6,8 @@ import torch
 from fastbert import dispatch
 from fastbert.ops import _alloc, _checks, _onednn, reference
 from fastbert.ops.dense import (linear_backward_fake, linear_class, linear_input_grads, onednn_linear, onednn_pair_for,
-                                 torch_linear, triton_linear_backward, upcast_linear, upcast_reasons)
+                                 own_linear, own_pair_for, own_reasons, torch_linear, triton_linear_backward,
+                                 upcast_linear, upcast_reasons)
 from fastbert.ops._op import OpSpec
 from fastbert.ops.prepared import PreparedWeights
 
@@ -40,6 +41,7 @@ def _reference(x, weight, bias, num_heads, prepared):
 # -------------------------------------------- cpu: dense's oneDNN kernels, q/k/v as views of their output
 
 ONEDNN = onednn_pair_for("qkv_projection")
+OWN = own_pair_for("qkv_projection")
 
 
 @dispatch.register("qkv_projection", "cpu", dispatch.Support(("cpu",), (torch.float32, torch.bfloat16)))
@@ -53,6 +55,8 @@ dispatch.register_variants("qkv_projection", "cpu", (
         upcast_linear(x, weight, bias, "none", prepared, ONEDNN), num_heads), upcast_reasons),
     dispatch.Variant("torch", lambda x, weight, bias, num_heads, prepared: head_major(
         torch_linear(x, weight, bias), num_heads)),
+    dispatch.Variant("fastbert", lambda x, weight, bias, num_heads, prepared: head_major(
+        own_linear(x, weight, bias, "none", prepared, OWN), num_heads), own_reasons),
 ), lambda x, weight, *_: linear_class(x, weight))
 
 

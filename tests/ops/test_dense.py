@@ -1,8 +1,13 @@
 """dense: x @ weight.T + bias with a fused GELU epilogue, on every backend against the float64 reference."""
+import pytest
 import torch
 
-from fastbert import ops
+from fastbert import dispatch, ops
 from fastbert.ops import reference
+from fastbert.ops.dense import EPILOGUES, own_bf16_linear
+from fastbert.ops.prepared import PreparedWeights
+from fastbert.testing import assert_close, assert_ran, poison_outputs, upcast
+from grids import skip_unless_runnable, skip_unless_variant
 from harness import (HIDDEN, INNER, SEEDS, SMALL_HIDDEN, Case, OpCheck, Spec, bad_input_test, opcheck_test,
                      parity_tests, randn, st, variant_parity_test)
 
@@ -77,3 +82,110 @@ test_bad_input = bad_input_test([
     # Tensors on different devices ("meta" stands in for a second device on a machine without a GPU).
     (lambda: ops.dense(torch.randn(2, 4), torch.randn(3, 4, device="meta")), "weight is on meta but x is on cpu"),
 ])
+
+
+# ------------------------------------- fastbert's own bfloat16 GEMM (dense's fastbert variant), every tail
+
+BF16_ISAS = [("best", 0), ("portable", 1), ("avx512_bf16", 2)]
+BF16_EPILOGUES = [("none", "none"), ("gelu", "none"), ("gelu", "tanh")]
+
+
+def skip_unless_bf16_isa(isa):
+    skip_unless_runnable("dense", "cpu", torch.bfloat16)
+    if not torch.ops.fastbert_C.bf16_isa_supported(isa):
+        pytest.skip(f"this CPU lacks avx512_bf16 (isa {isa})")
+
+
+@pytest.mark.parametrize("isa_name,isa", BF16_ISAS, ids=[name for name, _ in BF16_ISAS])
+@pytest.mark.parametrize("activation,approximate", BF16_EPILOGUES, ids=["none", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("m,k,n", [(1, 1, 1), (3, 5, 17), (7, 64, 15), (17, 768, 70), (130, 96, 200),
+                                   (16, 384, 1152), (6, 3072, 64)])
+def test_own_bf16_gemm_matches_the_reference(m, k, n, activation, approximate, isa_name, isa):
+    """bf16_linear against the float64 reference, every tail of m (6-row tiles), n (16 x 4 columns) and k (pairs)."""
+    skip_unless_bf16_isa(isa)
+    gen = torch.Generator().manual_seed(m * 131 + k * 17 + n)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    weight = (torch.randn(n, k, generator=gen) * k**-0.5).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16()
+    with poison_outputs():
+        out = own_bf16_linear(x, weight, bias, EPILOGUES[activation, approximate], None, isa)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    want = reference.dense(*upcast(x, weight, bias), activation, approximate)
+    assert_close(out, want, torch.bfloat16, "matmul")
+
+
+def test_own_bf16_gemm_without_bias_and_with_float32_bias():
+    skip_unless_bf16_isa(0)
+    x, weight, bias = torch.randn(9, 40).bfloat16(), (torch.randn(33, 40) / 6).bfloat16(), torch.randn(33)
+    for b in (None, bias):
+        out = torch.full((9, 33), float("nan"), dtype=torch.bfloat16)
+        torch.ops.fastbert_C.bf16_linear(x, torch.ops.fastbert_C.bf16_pack(weight), 33, 40, b, 0, 0, out)
+        assert_close(out, reference.dense(*upcast(x, weight, b), "none", "none"), torch.bfloat16, "matmul")
+
+
+def test_bf16_pack_layout():
+    skip_unless_bf16_isa(1)
+    weight = torch.randn(19, 7).bfloat16()
+    packed = torch.ops.fastbert_C.bf16_pack(weight)
+    assert packed.dtype == torch.bfloat16 and packed.shape == (2, 4, 16, 2)  # n 19 -> 2 blocks of 16, k 7 -> 4 pairs
+    # packed[block, pair, channel, t] = weight[16 block + channel, 2 pair + t], zero past n and k.
+    padded = torch.zeros(32, 8, dtype=torch.bfloat16)
+    padded[:19, :7] = weight
+    assert torch.equal(packed, padded.view(2, 16, 4, 2).permute(0, 2, 1, 3))
+    assert torch.equal(torch.ops.fastbert_C.bf16_pack(weight.T.contiguous().T), packed)  # any strides
+
+
+def test_own_bf16_gemm_keeps_the_packed_weight_in_prepared():
+    skip_unless_bf16_isa(0)
+    x, weight, bias = torch.randn(5, 40).bfloat16(), (torch.randn(33, 40) / 6).bfloat16(), torch.randn(33).bfloat16()
+    prepared = PreparedWeights()
+    first = own_bf16_linear(x, weight, bias, "none", prepared)
+    packed = prepared.get("bf16_packed", (weight,), lambda w: pytest.fail("packed again though weight is unchanged"))
+    assert torch.equal(packed, torch.ops.fastbert_C.bf16_pack(weight))
+    assert torch.equal(own_bf16_linear(x, weight, bias, "none", prepared), first)
+    weight.neg_()  # an in-place write: the packing is made again
+    assert torch.equal(own_bf16_linear(x, weight, bias, "none", prepared), own_bf16_linear(x, weight, bias, "none"))
+
+
+def test_own_bf16_gemm_serves_dense_when_chosen():
+    """dense in eager bf16 inference through the fastbert variant runs the own GEMM on the owner's packed
+    weight, and says so to dispatch.record()."""
+    skip_unless_variant("dense", "fastbert", torch.bfloat16)
+    x, weight, bias = torch.randn(4, 6, 32).bfloat16(), (torch.randn(48, 32) / 6).bfloat16(), torch.randn(48).bfloat16()
+    prepared = PreparedWeights()
+    with torch.no_grad(), poison_outputs(), dispatch.use_variant("dense", "fastbert"), dispatch.record() as calls:
+        out = ops.dense(x, weight, bias, "gelu", prepared=prepared)
+    assert_ran(calls, "dense", "cpu")
+    assert [c.variant for c in calls] == ["fastbert"]
+    assert prepared.get("bf16_packed", (weight,), lambda w: pytest.fail("the own GEMM did not keep its packing")) is not None
+    assert_close(out, reference.dense(*upcast(x, weight, bias), "gelu", "none"), torch.bfloat16, "matmul")
+
+
+def bad_bf16_linear(x=None, packed=None, n=5, k=8, bias=None, activation=0, isa=0, out=None):
+    """bf16_linear on a good [3, 8] x [5, 8] problem with one argument replaced."""
+    x = torch.zeros(3, 8, dtype=torch.bfloat16) if x is None else x
+    packed = torch.ops.fastbert_C.bf16_pack(torch.zeros(5, 8, dtype=torch.bfloat16)) if packed is None else packed
+    out = torch.empty(3, 5, dtype=torch.bfloat16) if out is None else out
+    torch.ops.fastbert_C.bf16_linear(x, packed, n, k, bias, activation, isa, out)
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: bad_bf16_linear(x=torch.zeros(3, 8)), "x must be a contiguous bfloat16 \\[m, k = 8\\]"),
+    (lambda: bad_bf16_linear(x=torch.zeros(8, 3, dtype=torch.bfloat16).T), "x must be .* \\(not contiguous\\)"),
+    (lambda: bad_bf16_linear(x=torch.zeros(3, 7, dtype=torch.bfloat16)), "x must be .* \\[m, k = 8\\] .* \\[3, 7\\]"),
+    (lambda: bad_bf16_linear(n=17, out=torch.empty(3, 17, dtype=torch.bfloat16)),
+     "packed must be bf16_pack's output for an \\[n, k\\] = \\[17, 8\\] weight: bfloat16 \\[2, 4, 16, 2\\]"),
+    (lambda: bad_bf16_linear(packed=torch.zeros(1, 4, 16, 2)), "packed must be bf16_pack's output"),
+    (lambda: bad_bf16_linear(n=-1), "n and k \\(the weight's shape\\) must be >= 0"),
+    (lambda: bad_bf16_linear(bias=torch.zeros(6)), "bias must be a bfloat16 or float32 \\[n = 5\\]"),
+    (lambda: bad_bf16_linear(bias=torch.zeros(5, dtype=torch.float64)), "bias must be a bfloat16 or float32"),
+    (lambda: bad_bf16_linear(activation=3), "activation must be 0 \\(none\\), 1 \\(gelu\\), 2 \\(gelu_tanh\\)"),
+    (lambda: bad_bf16_linear(out=torch.empty(3, 6, dtype=torch.bfloat16)), "out must be a contiguous bfloat16 \\[3, 5\\]"),
+    (lambda: bad_bf16_linear(out=torch.empty(3, 5)), "out must be a contiguous bfloat16"),
+    (lambda: bad_bf16_linear(isa=3), "isa must be 0 \\(best available\\), 1 \\(portable C\\+\\+\\) or 2"),
+    (lambda: torch.ops.fastbert_C.bf16_pack(torch.zeros(3, 4)), "bf16_pack: weight must be a bfloat16 \\[n, k\\]"),
+])
+def test_own_bf16_gemm_bad_input_is_named(call, message):
+    skip_unless_bf16_isa(1)
+    with pytest.raises(RuntimeError, match=message):
+        call()
