@@ -53,13 +53,14 @@ TORCH_LIBRARY(fastbert_C, m) {
   m.def("int8_matmul_dequantize(Tensor q, Tensor packed, int n, int k, Tensor weight_scale, Tensor scale, "
         "Tensor zero_point, Tensor wsum, Tensor? bias, int activation, int isa, Tensor(a!) out) -> ()");
   m.def("int8_isa_supported(int isa) -> bool");  // whether int8_matmul runs with this isa here
-  // fastbert's own bfloat16 GEMM: weight bfloat16 [n, k] -> packed [ceil(n/16), ceil(k/2), 16, 2] (padding
-  // zero); out[m, n] = act(x @ weight^T + bias) in bfloat16, the sums in float32, activation 0 none, 1 gelu,
-  // 2 gelu_tanh; n, k: the packed weight's shape. isa: 0 the best this CPU has, 1 portable C++, 2 avx512_bf16.
-  m.def("bf16_pack(Tensor weight) -> Tensor");
-  m.def("bf16_linear(Tensor x, Tensor packed, int n, int k, Tensor? bias, int activation, int isa, "
+  // fastbert's own float32 / bfloat16 GEMM: weight [n, k] -> packed [ceil(n/16), ceil(k/p), 16, p] in its dtype
+  // (p = 1 float32, 2 bfloat16; padding zero); out[m, n] = act(x @ weight^T + bias) in x's dtype, the sums in
+  // float32, activation 0 none, 1 gelu, 2 gelu_tanh; n, k: the weight's shape. isa: 0 the best this CPU has,
+  // 1 portable C++, 2 AVX-512 (avx512f; avx512_bf16 for bfloat16).
+  m.def("dense_pack(Tensor weight) -> Tensor");
+  m.def("dense_gemm(Tensor x, Tensor packed, int n, int k, Tensor? bias, int activation, int isa, "
         "Tensor(a!) out) -> ()");
-  m.def("bf16_isa_supported(int isa) -> bool");  // whether bf16_linear runs with this isa here
+  m.def("dense_isa_supported(int isa, ScalarType dtype) -> bool");  // whether dense_gemm runs so here
   // Inference, CPU: one encoder layer in one call (csrc/cpu/encoder_layer.cpp; fastbert/ops/encoder_layer.py).
   m.def("encoder_layer(Tensor x, Tensor? rows_q, Tensor? rows_scale, Tensor? rows_zero_point, Tensor? key_mask, "
         "Tensor? cu_seqlens, int batch, int seq, Tensor?[] weights, int[] codes, float eps, bool quantize_output) "

@@ -85,7 +85,7 @@ FLOAT_CHOICES = {
     "torch": {"qkv_projection": "torch", "dense": "torch", "attention": "torch"},
     "onednn+bias_gelu": {"dense": "onednn+bias_gelu"},
     "brgemm": {"attention": "brgemm", "varlen_attention": "brgemm"},
-    "own-bf16-gemm": {"qkv_projection": "fastbert", "dense": "fastbert"},
+    "own-gemm": {"qkv_projection": "fastbert", "dense": "fastbert"},
 }
 
 
@@ -93,17 +93,17 @@ FLOAT_CHOICES = {
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("choice", list(FLOAT_CHOICES))
 def test_float_layers_in_one_call_equal_op_by_op(monkeypatch, choice, dtype, shape):
-    if choice in ("brgemm", "own-bf16-gemm") and dtype == "fp32":
-        pytest.skip(f"{choice} is bfloat16 only")
-    if choice == "own-bf16-gemm" and not torch.ops.fastbert_C.bf16_isa_supported(2):
-        pytest.skip("this CPU lacks avx512_bf16: dispatch never picks the own bfloat16 GEMM")
+    if choice == "brgemm" and dtype == "fp32":
+        pytest.skip("brgemm attention is bfloat16 only")
+    if choice == "own-gemm" and not torch.ops.fastbert_C.dense_isa_supported(2, torch.bfloat16 if dtype == "bf16" else torch.float32):
+        pytest.skip("this CPU lacks the own GEMM's AVX-512 tiles: dispatch never picks it")
     choose(monkeypatch, FLOAT_CHOICES[choice])
     runs = Runs(monkeypatch)
     recorded = check_one_call_equals_op_by_op(model_of(dtype), *inputs(shape), runs)
     ran = {variant for op, _, variant, _ in recorded if op in ("dense", "qkv_projection", "attention", "varlen_attention")}
     if choice == "brgemm" and "brgemm" not in ran:
         pytest.skip("brgemm attention cannot run on this machine (its one-time check refused it)")
-    if choice == "own-bf16-gemm":
+    if choice == "own-gemm":
         assert {variant for op, _, variant, _ in recorded if op in ("dense", "qkv_projection")} == {"fastbert"}
     else:
         assert choice in ran or choice == "onednn" and ran <= {"onednn", "fastbert"}

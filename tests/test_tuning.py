@@ -183,14 +183,15 @@ def test_a_model_tuned_on_this_machine_gives_the_untuned_numbers(tuned):
 
 def test_only_the_chosen_variant_keeps_prepared_weights(tuned, monkeypatch):
     skip_unless_runnable("dense", "cpu", torch.float32)
-    # The trials run for real (onednn packs its weight into `prepared`), then torch is declared faster.
+    # The trials run for real (onednn and fastbert pack their weight into `prepared`), then torch is declared
+    # faster.
     real = tuning._medians_ms
-    monkeypatch.setattr(tuning, "_medians_ms", lambda candidates, args, backward: dict(
-        zip(real(candidates, args, backward), [5.0, 1.0], strict=True)))
+    monkeypatch.setattr(tuning, "_medians_ms", lambda candidates, args, backward: {
+        name: 1.0 if name == "torch" else 5.0 for name in real(candidates, args, backward)})
     prepared = ops.PreparedWeights()
     with torch.no_grad(), dispatch.record() as calls:
         ops.dense(torch.randn(256, 64), torch.randn(96, 64), torch.randn(96), prepared=prepared)
-    assert fp32_dense_variants() == ("onednn", "torch") and calls[0].variant == "torch"
+    assert {"onednn", "torch"} <= set(fp32_dense_variants()) and calls[0].variant == "torch"
     assert len(prepared) == 0  # the losing trial's packed copy is not kept
 
 
@@ -204,7 +205,7 @@ def test_info_lists_variants_and_measurements(tuned):
     # A variant some dtype or CPU cannot use says so in parentheses ("onednn (fp32 only)" on AVX2).
     dense = next(line for line in text.splitlines() if line.strip().startswith("dense: "))
     assert re.fullmatch(r"dense: onednn( \(.*?\))?, onednn\+bias_gelu( \(.*?\))?, onednn-fp32 \(.*?\), torch, "
-                        r"fastbert \(.*?\)",
+                        r"fastbert( \(.*?\))?",
                         dense.strip()), dense
     assert "attention: fastbert, torch" in text
     assert "dense cpu float32 infer m4 k16 n8 none" in text

@@ -1,51 +1,67 @@
-// dense on CPU, bfloat16: fastbert's own GEMM with bias and GELU in its epilogue (bf16_gemm.h), beside
-// oneDNN's (fastbert/ops/dense.py; dispatch measures which is faster for a shape).
+// dense on CPU: fastbert's own float32 / bfloat16 GEMM with bias and GELU in its epilogue (float_gemm.h),
+// beside oneDNN's (fastbert/ops/dense.py; dispatch measures which is faster for a shape).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <vector>
 
-#include "bf16_gemm.h"
+#include "float_gemm.h"
 
 namespace fastbert {
 namespace {
 
-at::Tensor bf16_pack(const at::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16,
-              "bf16_pack: weight must be a bfloat16 [n, k] tensor, got ", weight.scalar_type(), " ", weight.sizes());
+bool floating(const at::Tensor& t) { return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16; }
+
+// T's packed shape for an [n, k] weight.
+std::vector<int64_t> packed_shape(at::ScalarType dtype, int64_t n, int64_t k) {
+  if (dtype == at::kFloat) return {float_gemm::blocks(n), float_gemm::groups<float>(k), float_gemm::kCols, 1};
+  return {float_gemm::blocks(n), float_gemm::groups<c10::BFloat16>(k), float_gemm::kCols, 2};
+}
+
+at::Tensor dense_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && floating(weight), "dense_pack: weight must be a float32 or bfloat16 [n, k] tensor, got ",
+              weight.scalar_type(), " ", weight.sizes());
   const int64_t n = weight.size(0), k = weight.size(1);
   const at::Tensor w = weight.contiguous();
-  at::Tensor packed = at::empty({bf16_gemm::blocks(n), bf16_gemm::pairs(k), bf16_gemm::kCols, bf16_gemm::kPair},
-                                weight.options());
-  bf16_gemm::pack(w.data_ptr<c10::BFloat16>(), n, k, packed.data_ptr<c10::BFloat16>());
+  at::Tensor packed = at::empty(packed_shape(weight.scalar_type(), n, k), weight.options());
+  if (weight.scalar_type() == at::kFloat) {
+    float_gemm::pack(w.data_ptr<float>(), n, k, packed.data_ptr<float>());
+  } else {
+    float_gemm::pack(w.data_ptr<c10::BFloat16>(), n, k, packed.data_ptr<c10::BFloat16>());
+  }
   return packed;
 }
 
+bool isa_supported(int64_t isa, at::ScalarType dtype) {
+  if (isa == float_gemm::kBest) return true;
+  if (isa < float_gemm::kPortable || isa > float_gemm::kLastIsa) return false;
+  return dtype == at::kFloat ? float_gemm::cpu_has<float>(isa) : float_gemm::cpu_has<c10::BFloat16>(isa);
+}
+
 // n and k: the weight's shape, which the padded packing cannot tell (n 17 and 32 pack alike).
-void bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k,
-                 const std::optional<at::Tensor>& bias, int64_t activation, int64_t isa, const at::Tensor& out) {
-  TORCH_CHECK(n >= 0 && k >= 0, "bf16_linear: n and k (the weight's shape) must be >= 0, got ", n, ", ", k);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.size(1) == k,
-              "bf16_linear: x must be a contiguous bfloat16 [m, k = ", k, "] tensor, got ", x.scalar_type(), " ",
-              x.sizes(), x.is_contiguous() ? "" : " (not contiguous)");
-  const std::vector<int64_t> want{bf16_gemm::blocks(n), bf16_gemm::pairs(k), bf16_gemm::kCols, bf16_gemm::kPair};
-  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
-                  packed.sizes() == at::IntArrayRef(want),
-              "bf16_linear: packed must be bf16_pack's output for an [n, k] = [", n, ", ", k, "] weight: bfloat16 ",
+void dense_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k,
+                const std::optional<at::Tensor>& bias, int64_t activation, int64_t isa, const at::Tensor& out) {
+  TORCH_CHECK(n >= 0 && k >= 0, "dense_gemm: n and k (the weight's shape) must be >= 0, got ", n, ", ", k);
+  TORCH_CHECK(x.dim() == 2 && floating(x) && x.is_contiguous() && x.size(1) == k,
+              "dense_gemm: x must be a contiguous float32 or bfloat16 [m, k = ", k, "] tensor, got ", x.scalar_type(),
+              " ", x.sizes(), x.is_contiguous() ? "" : " (not contiguous)");
+  const at::ScalarType dtype = x.scalar_type();
+  const std::vector<int64_t> want = packed_shape(dtype, n, k);
+  TORCH_CHECK(packed.scalar_type() == dtype && packed.is_contiguous() && packed.sizes() == at::IntArrayRef(want),
+              "dense_gemm: packed must be dense_pack's output for an [n, k] = [", n, ", ", k, "] weight: ", dtype, " ",
               at::IntArrayRef(want), ", got ", packed.scalar_type(), " ", packed.sizes());
   TORCH_CHECK(activation >= 0 && activation <= 2,
-              "bf16_linear: activation must be 0 (none), 1 (gelu), 2 (gelu_tanh), got ", activation);
-  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == n &&
-                                    (bias->scalar_type() == at::kBFloat16 || bias->scalar_type() == at::kFloat)),
-              "bf16_linear: bias must be a bfloat16 or float32 [n = ", n, "] tensor");
+              "dense_gemm: activation must be 0 (none), 1 (gelu), 2 (gelu_tanh), got ", activation);
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == n && floating(*bias)),
+              "dense_gemm: bias must be a float32 or bfloat16 [n = ", n, "] tensor");
   const int64_t m = x.size(0);
-  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.sizes() == at::IntArrayRef({m, n}),
-              "bf16_linear: out must be a contiguous bfloat16 [", m, ", ", n, "] tensor, got ", out.scalar_type(), " ",
-              out.sizes());
-  TORCH_CHECK(isa >= bf16_gemm::kBest && isa <= bf16_gemm::kLastIsa,
-              "bf16_linear: isa must be 0 (best available), 1 (portable C++) or 2 (avx512_bf16), got ", isa);
-  TORCH_CHECK(isa == bf16_gemm::kBest || bf16_gemm::cpu_has(isa), "bf16_linear: isa ", isa,
-              " needs a CPU with avx512f and avx512_bf16; this CPU lacks it (isa 0 picks the best it has)");
+  TORCH_CHECK(out.scalar_type() == dtype && out.is_contiguous() && out.sizes() == at::IntArrayRef({m, n}),
+              "dense_gemm: out must be a contiguous ", dtype, " [", m, ", ", n, "] tensor (x's dtype), got ",
+              out.scalar_type(), " ", out.sizes());
+  TORCH_CHECK(isa >= float_gemm::kBest && isa <= float_gemm::kLastIsa,
+              "dense_gemm: isa must be 0 (best available), 1 (portable C++) or 2 (AVX-512), got ", isa);
+  TORCH_CHECK(isa_supported(isa, dtype), "dense_gemm: isa ", isa, " needs a CPU with avx512f",
+              dtype == at::kBFloat16 ? " and avx512_bf16" : "", "; this CPU lacks it (isa 0 picks the best it has)");
   const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
   std::vector<float> converted;  // the epilogue adds float32
   if (b.defined() && b.scalar_type() == at::kBFloat16) {
@@ -53,24 +69,29 @@ void bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64
     converted.assign(values, values + n);
   }
   const float* bias_ptr = !b.defined() ? nullptr : converted.empty() ? b.data_ptr<float>() : converted.data();
-  const bf16_gemm::Problem problem{x.data_ptr<c10::BFloat16>(), packed.data_ptr<c10::BFloat16>(), bias_ptr,
-                                   out.data_ptr<c10::BFloat16>(), m, n, k, activation};
-  bf16_gemm::linear(problem, isa);
+  if (dtype == at::kFloat) {
+    float_gemm::linear(float_gemm::Problem<float>{x.data_ptr<float>(), packed.data_ptr<float>(), bias_ptr,
+                                                  out.data_ptr<float>(), m, n, k, activation}, isa);
+  } else {
+    float_gemm::linear(float_gemm::Problem<c10::BFloat16>{x.data_ptr<c10::BFloat16>(),
+                                                          packed.data_ptr<c10::BFloat16>(), bias_ptr,
+                                                          out.data_ptr<c10::BFloat16>(), m, n, k, activation}, isa);
+  }
 }
 
-bool bf16_isa_supported(int64_t isa) {
-  if (isa == bf16_gemm::kBest) return true;
-  return isa >= bf16_gemm::kPortable && isa <= bf16_gemm::kLastIsa && bf16_gemm::cpu_has(isa);
+bool dense_isa_supported(int64_t isa, at::ScalarType dtype) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dense_isa_supported: dtype must be float32 or bfloat16");
+  return isa_supported(isa, dtype);
 }
 
 }  // namespace
 }  // namespace fastbert
 
 TORCH_LIBRARY_IMPL(fastbert_C, CompositeExplicitAutograd, m) {
-  m.impl("bf16_isa_supported", &fastbert::bf16_isa_supported);
+  m.impl("dense_isa_supported", &fastbert::dense_isa_supported);
 }
 
 TORCH_LIBRARY_IMPL(fastbert_C, CPU, m) {
-  m.impl("bf16_pack", &fastbert::bf16_pack);
-  m.impl("bf16_linear", &fastbert::bf16_linear);
+  m.impl("dense_pack", &fastbert::dense_pack);
+  m.impl("dense_gemm", &fastbert::dense_gemm);
 }

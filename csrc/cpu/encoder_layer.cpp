@@ -5,7 +5,7 @@
 //
 // weights: 20 slots, four per linear (weight, weight_scale, wsum, bias) for QKV (stacked), the attention
 // output, FFN in and FFN out at 0, 4, 10, 14, and (weight, bias) of the two LayerNorms at 8 and 18.
-// Float layers: the weight is oneDNN's packed copy (bf16_pack's for the own GEMM, the weight itself for
+// Float layers: the weight is oneDNN's packed copy (dense_pack's for the own GEMM, the weight itself for
 // torch's) and weight_scale / wsum are empty; int8 layers:
 // int8_pack's packed weight, its float32 scales and scale x row sums (quantized_dense's "fastbert" GEMM).
 #include <ATen/ATen.h>
@@ -27,8 +27,8 @@ enum Code : int64_t {
 };
 // dense's variants (and qkv_projection's onednn, torch and fastbert): oneDNN's packed GEMM with bias and
 // GELU as post-ops; the same without them, then fastbert's bias_gelu kernel in place; torch's F.linear and
-// F.gelu; fastbert's own bfloat16 GEMM (bf16_gemm.h) with both in its epilogue.
-enum Linear : int64_t { kOnednn, kOnednnThenBiasGelu, kTorch, kOwnBf16 };
+// F.gelu; fastbert's own float32 / bfloat16 GEMM (float_gemm.h) with both in its epilogue.
+enum Linear : int64_t { kOnednn, kOnednnThenBiasGelu, kTorch, kOwnDense };
 // quantized_dense's variants: fastbert's own GEMM (int8_gemm.h), oneDNN's u8 x s8 GEMM.
 enum Int8Gemm : int64_t { kOwnGemm, kOnednnGemm };
 // attention's variants: fastbert's kernel, the same on ATen's brgemm, torch's SDPA (padded batches only).
@@ -61,7 +61,7 @@ using DequantizeRowsFn = void(const at::Tensor&, const at::Tensor&, const at::Te
 using QlinearFn = at::Tensor(at::Tensor, double, int64_t, at::Tensor, at::Tensor, at::Tensor, Opt, double, int64_t,
                              std::optional<at::ScalarType>, std::string_view, c10::List<std::optional<at::Scalar>>,
                              std::string_view);
-using Bf16LinearFn = void(const at::Tensor&, const at::Tensor&, int64_t, int64_t, const Opt&, int64_t, int64_t, Out);
+using DenseGemmFn = void(const at::Tensor&, const at::Tensor&, int64_t, int64_t, const Opt&, int64_t, int64_t, Out);
 using Int8MatmulFn = void(const at::Tensor&, const at::Tensor&, int64_t, int64_t, const at::Tensor&, int64_t, Out);
 using Int8MatmulDequantizeFn = void(const at::Tensor&, const at::Tensor&, int64_t, int64_t, const at::Tensor&,
                                     const at::Tensor&, const at::Tensor&, const at::Tensor&, const Opt&, int64_t,
@@ -90,7 +90,7 @@ struct Ops {
   c10::TypedOperatorHandle<QuantizeRowsFn> quantize_rows = find<QuantizeRowsFn>("fastbert_C::quantize_rows");
   c10::TypedOperatorHandle<RequantizeRowsFn> requantize_rows = find<RequantizeRowsFn>("fastbert_C::requantize_rows");
   c10::TypedOperatorHandle<DequantizeRowsFn> dequantize_rows = find<DequantizeRowsFn>("fastbert_C::dequantize_rows");
-  c10::TypedOperatorHandle<Bf16LinearFn> bf16_linear = find<Bf16LinearFn>("fastbert_C::bf16_linear");
+  c10::TypedOperatorHandle<DenseGemmFn> dense_gemm = find<DenseGemmFn>("fastbert_C::dense_gemm");
   c10::TypedOperatorHandle<Int8MatmulFn> int8_matmul = find<Int8MatmulFn>("fastbert_C::int8_matmul");
   c10::TypedOperatorHandle<Int8MatmulDequantizeFn> int8_matmul_dequantize =
       find<Int8MatmulDequantizeFn>("fastbert_C::int8_matmul_dequantize");
@@ -141,11 +141,11 @@ struct Layer {
         at::Tensor y = at::linear(x, w(slot), bias(slot + 3));
         return gelu ? at::gelu(y, tanh ? "tanh" : "none") : y;
       }
-      if (kind == kOwnBf16) {  // n: the bias's (the packed weight is padded)
-        TORCH_CHECK(bias(slot + 3).has_value(), "encoder_layer: the own bfloat16 GEMM's linears need their bias");
+      if (kind == kOwnDense) {  // n: the bias's (the packed weight is padded)
+        TORCH_CHECK(bias(slot + 3).has_value(), "encoder_layer: the own GEMM's linears need their bias");
         const int64_t n = bias(slot + 3)->size(0);
         at::Tensor y = empty({x.size(0), n}, x.options());
-        ops().bf16_linear.call(x, w(slot), n, x.size(1), bias(slot + 3), gelu ? codes[kActivation] : 0, 0, y);
+        ops().dense_gemm.call(x, w(slot), n, x.size(1), bias(slot + 3), gelu ? codes[kActivation] : 0, 0, y);
         return y;
       }
       c10::List<std::optional<at::Scalar>> scalars;
@@ -271,7 +271,7 @@ std::vector<at::Tensor> encoder_layer(const at::Tensor& x, const Opt& rows_q, co
               "batches only)");
   TORCH_CHECK(batch > 0 || cu_seqlens.has_value(), "encoder_layer: packed tokens (batch 0) need cu_seqlens");
   for (const int64_t code : {kQkvLinear, kOutLinear, kInLinear, kFfnLinear})
-    TORCH_CHECK(codes[code] >= 0 && codes[code] <= (codes[kInt8] ? kOnednnGemm : kOwnBf16),
+    TORCH_CHECK(codes[code] >= 0 && codes[code] <= (codes[kInt8] ? kOnednnGemm : kOwnDense),
                 "encoder_layer: a linear's code is out of range (Linear for float layers, Int8Gemm for int8)");
   const Layer layer{weights, codes, batch, seq, eps};
   const at::ScalarType dtype = x.scalar_type();

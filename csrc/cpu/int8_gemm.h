@@ -20,6 +20,8 @@
 #include <cstring>
 #include <vector>
 
+#include "gemm_driver.h"
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #define FASTBERT_AVX512_VNNI __attribute__((target("avx512f,avx512vnni")))
@@ -366,26 +368,6 @@ FASTBERT_AVX2 void tile_avx2(const Problem& p, int64_t row, int64_t block, float
 
 // ---------------------------------------------------------------- driver
 
-// Tiles of kRows x kBlocks, every smaller shape for the edges: table[rows - 1][blocks - 1].
-template <int kRows, int kBlocks>
-struct Kernel {
-  TileFn table[kRows][kBlocks];
-};
-
-template <template <int, int> class Tile, int kRows, int kBlocks, int R = 1, int B = 1>
-void fill(Kernel<kRows, kBlocks>& kernel) {
-  kernel.table[R - 1][B - 1] = &Tile<R, B>::run;
-  if constexpr (B < kBlocks) fill<Tile, kRows, kBlocks, R, B + 1>(kernel);
-  else if constexpr (R < kRows) fill<Tile, kRows, kBlocks, R + 1, 1>(kernel);
-}
-
-template <template <int, int> class Tile, int kRows, int kBlocks>
-Kernel<kRows, kBlocks> make_kernel() {
-  Kernel<kRows, kBlocks> kernel{};
-  fill<Tile, kRows, kBlocks>(kernel);
-  return kernel;
-}
-
 template <int kRows, int kBlocks>
 struct PortableTile {
   static void run(const Problem& p, int64_t row, int64_t block, float* out, int64_t ldo) {
@@ -413,35 +395,17 @@ struct Avx2Tile {
 };
 #endif
 
-// The GEMM in tasks of (a panel of kBlocks blocks) x (up to kRowsPerTask rows), panel-major: a thread's
-// consecutive tasks share one panel of weights (kBlocks x 16 x k bytes), which stays in its L2 while
-// the q rows stream past.
 template <int kRows, int kBlocks>
-void run(const Problem& p, const Kernel<kRows, kBlocks>& kernel) {
-  constexpr int64_t kRowsPerTask = kRows * 16;
-  const int64_t n_blocks = blocks(p.n);
-  const int64_t panels = (n_blocks + kBlocks - 1) / kBlocks;
-  const int64_t row_tasks = (p.m + kRowsPerTask - 1) / kRowsPerTask;
-  // At least ~1M multiply-adds per thread's share: smaller GEMMs are not worth waking threads for.
-  const int64_t task_macs = std::min(p.m, kRowsPerTask) * kBlocks * kCols * std::max<int64_t>(p.k, 1);
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 20) / task_macs);
+void run(const Problem& p, const gemm_driver::Kernel<TileFn, kRows, kBlocks>& kernel) {
   constexpr int64_t kTileCols = kBlocks * kCols;
-  at::parallel_for(0, panels * row_tasks, grain, [&](int64_t begin, int64_t end) {
-    alignas(64) float tile[kRows * kTileCols];  // the epilogue's input
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t panel = t / row_tasks, row0 = (t % row_tasks) * kRowsPerTask;
-      const int64_t block = panel * kBlocks, nb = std::min<int64_t>(kBlocks, n_blocks - block);
-      const int64_t col0 = block * kCols, cols = std::min(nb * kCols, p.n - col0);
-      const int64_t row_end = std::min(p.m, row0 + kRowsPerTask);
-      for (int64_t r = row0; r < row_end; r += kRows) {
-        const int64_t rows = std::min<int64_t>(kRows, row_end - r);
-        if (p.epilogue.apply == nullptr) {
-          kernel.table[rows - 1][nb - 1](p, r, block, p.out + r * p.n + col0, p.n);
-        } else {
-          kernel.table[rows - 1][nb - 1](p, r, block, tile, kTileCols);
-          p.epilogue.apply(p.epilogue.context, r, rows, col0, cols, tile, kTileCols);
-        }
-      }
+  gemm_driver::for_tiles<kRows, kBlocks, kCols>(p.m, blocks(p.n), p.k, [&](int64_t r, int64_t rows, int64_t block,
+                                                                            int64_t nb, float* tile) {
+    const int64_t col0 = block * kCols;
+    if (p.epilogue.apply == nullptr) {
+      kernel.table[rows - 1][nb - 1](p, r, block, p.out + r * p.n + col0, p.n);
+    } else {
+      kernel.table[rows - 1][nb - 1](p, r, block, tile, kTileCols);
+      p.epilogue.apply(p.epilogue.context, r, rows, col0, std::min(nb * kCols, p.n - col0), tile, kTileCols);
     }
   });
 }
@@ -452,15 +416,15 @@ inline void matmul(const Problem& p, int64_t isa) {
   if (isa == kBest) isa = best_isa();
 #if defined(__x86_64__)
   if (isa == kAvx512Vnni) {
-    static const auto kernel = make_kernel<Avx512Tile, 6, 4>();
+    static const auto kernel = gemm_driver::make_kernel<TileFn, Avx512Tile, 6, 4>();
     return run(p, kernel);
   }
   if (isa == kAvxVnni) {
-    static const auto kernel = make_kernel<AvxVnniTile, 6, 1>();
+    static const auto kernel = gemm_driver::make_kernel<TileFn, AvxVnniTile, 6, 1>();
     return run(p, kernel);
   }
   if (isa == kAvx2) {
-    static const auto kernel = make_kernel<Avx2Tile, 4, 1>();
+    static const auto kernel = gemm_driver::make_kernel<TileFn, Avx2Tile, 4, 1>();
     std::vector<int32_t> pairs(static_cast<size_t>(p.m * groups(p.k) * 2));
     split_pairs(p, pairs.data());
     Problem split = p;
@@ -468,7 +432,7 @@ inline void matmul(const Problem& p, int64_t isa) {
     return run(split, kernel);
   }
 #endif
-  static const auto kernel = make_kernel<PortableTile, 8, 1>();
+  static const auto kernel = gemm_driver::make_kernel<TileFn, PortableTile, 8, 1>();
   run(p, kernel);
 }
 

@@ -115,58 +115,60 @@ def onednn_pair_for(op: str):
     return dataclasses.replace(SPEC, name=op).kernels("onednn", _onednn_forward, _onednn_backward, "cpu")
 
 
-# ---------------------------------------------- fastbert: the own bfloat16 GEMM (csrc/cpu/bf16_gemm.h)
+# ------------------------------------- fastbert: the own float32 / bfloat16 GEMM (csrc/cpu/float_gemm.h)
 
-BF16_ISAS = {"best": 0, "portable": 1, "avx512_bf16": 2}  # bf16_linear's isa codes
+GEMM_ISAS = {"best": 0, "portable": 1, "avx512": 2}  # dense_gemm's isa codes
 ACTIVATION_CODES = {"none": 0, "gelu": 1, "gelu_tanh": 2}  # the C++ kernels' codes for an epilogue
 
 
-def bf16_pack(weight, prepared: PreparedWeights | None = None):
-    """weight in bf16_linear's packed layout: kept in `prepared` (the owner's), else packed now."""
+def own_pack(weight, prepared: PreparedWeights | None = None):
+    """weight in dense_gemm's packed layout: kept in `prepared` (the owner's), else packed now."""
     if prepared is None:
-        return torch.ops.fastbert_C.bf16_pack(weight)
-    return prepared.get("bf16_packed", (weight,), torch.ops.fastbert_C.bf16_pack)
+        return torch.ops.fastbert_C.dense_pack(weight)
+    return prepared.get("own_packed", (weight,), torch.ops.fastbert_C.dense_pack)
 
 
-def own_bf16_linear(x, weight, bias, activation, prepared: PreparedWeights | None = None, isa: int = 0):
-    """epilogue(x @ weight.T + bias) in bfloat16 on fastbert's own GEMM, bias and GELU in its tiles; `isa`
-    as BF16_ISAS (0 the best this CPU has; forcing one it lacks raises)."""
+def own_gemm(x, weight, bias, activation, prepared: PreparedWeights | None = None, isa: int = 0):
+    """epilogue(x @ weight.T + bias) on fastbert's own GEMM, bias and GELU in its tiles; `isa` as GEMM_ISAS
+    (0 the best this CPU has; forcing one it lacks raises)."""
     n, k = weight.shape
     x2d = x.reshape(-1, k).contiguous()
     out = _alloc.empty((x2d.shape[0], n), dtype=x.dtype, device=x.device)
-    torch.ops.fastbert_C.bf16_linear(x2d, bf16_pack(weight, prepared), n, k, bias, ACTIVATION_CODES[activation], isa,
-                                     out)
+    torch.ops.fastbert_C.dense_gemm(x2d, own_pack(weight, prepared), n, k, bias, ACTIVATION_CODES[activation], isa, out)
     return out.view(*x.shape[:-1], n)
 
 
 def own_pair_for(op: str):
     """dense's fastbert kernels (the forward on the own GEMM, the backward on oneDNN's) as `op`'s pair
     (fastbert::<op>_fastbert), so its backward records `op`."""
-    return dataclasses.replace(SPEC, name=op).kernels("fastbert", own_bf16_linear, _onednn_backward, "cpu")
+    return dataclasses.replace(SPEC, name=op).kernels("fastbert", own_gemm, _onednn_backward, "cpu")
 
 
 OWN = own_pair_for("dense")
 
 
 def own_linear(x, weight, bias, activation, prepared: PreparedWeights | None, pair=OWN):
-    """The own bfloat16 GEMM (through `pair`); in eager calls with no autograd on the packed copy of
-    `weight` that `prepared` keeps. Training keeps the pre-activation for backward, as _cpu does."""
+    """The own GEMM (through `pair`); in eager calls with no autograd on the packed copy of `weight` that
+    `prepared` keeps. Training keeps the pre-activation for backward, as _cpu does."""
     if prepared is None or entry(pair.forward, x, weight, bias) is not pair.forward.direct:
         if activation != "none" and bias is not None and needs_grad(x, weight, bias):
             return bias_gelu_cxx(pair(x, weight, None, "none"), bias, approximation(activation))
         return pair(x, weight, bias, activation)
-    return own_bf16_linear(x, weight, bias, activation, prepared)
+    return own_gemm(x, weight, bias, activation, prepared)
 
 
 def own_reasons(facts) -> list[str]:
-    """Why the own bfloat16 GEMM should not serve a call: bfloat16 only, on CPUs with vdpbf16ps (its
-    portable C++ form is for tests and other architectures, far slower than oneDNN)."""
-    if set(facts.dtypes) != {torch.bfloat16}:
-        return ["bfloat16 only"]
+    """Why the own GEMM should not serve a call: one dtype, float32 or bfloat16, on CPUs with its AVX-512
+    tiles (its portable C++ form is for tests and other architectures, far slower than oneDNN)."""
+    if _onednn.missing():
+        return _onednn.missing()  # (its backward is oneDNN's)
+    if len(set(facts.dtypes)) != 1 or facts.dtypes[0] not in (torch.float32, torch.bfloat16):
+        return ["float32 or bfloat16 only"]
     from fastbert import _C  # noqa: F401  (defines torch.ops.fastbert_C)
 
-    if not torch.ops.fastbert_C.bf16_isa_supported(BF16_ISAS["avx512_bf16"]):
-        return ["this CPU lacks avx512_bf16 (vdpbf16ps), which the own bfloat16 GEMM's tiles use"]
+    if not torch.ops.fastbert_C.dense_isa_supported(GEMM_ISAS["avx512"], facts.dtypes[0]):
+        return ["this CPU lacks avx512f" + (" and avx512_bf16 (vdpbf16ps)" if facts.dtypes[0] == torch.bfloat16 else "")
+                + ", which the own GEMM's tiles need"]
     return []
 
 

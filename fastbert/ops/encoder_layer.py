@@ -27,7 +27,7 @@ ATTENTION = {"fastbert": 0, "brgemm": 1, "torch": 2}  # attention / varlen_atten
 LINEARS = {"onednn": 0, "onednn+bias_gelu": 1, "torch": 2, "fastbert": 3}  # dense's (and qkv_projection's) variants -> Linear
 INT8_GEMMS = {"fastbert": 0, "onednn": 1}  # quantized_dense's variants -> Int8Gemm
 ACTIVATIONS = {("gelu", "none"): 1, ("gelu", "tanh"): 2}
-PACKED = {"onednn": "onednn", "onednn+bias_gelu": "onednn", "fastbert": "bf16_packed"}  # a Linear's prepared copy
+PACKED = {"onednn": "onednn", "onednn+bias_gelu": "onednn", "fastbert": "own_packed"}  # a Linear's prepared copy
 
 
 class _NotKept(LookupError):
@@ -158,7 +158,7 @@ def program(layer, calls) -> LayerProgram | None:
 
 def _float(layer, signatures, variants):
     """(weights, activation code, the four linears' Linear codes, sources) of a float layer whose GEMMs ran
-    oneDNN's packed linear, the own bfloat16 GEMM or torch's (qkv_projection's and dense's onednn,
+    oneDNN's packed linear, the own GEMM or torch's (qkv_projection's and dense's onednn,
     onednn+bias_gelu, fastbert and torch variants), or None."""
     qkv, out, ffn_in, ffn_out = signatures[0], signatures[2], signatures[4], signatures[5]
     if qkv[0] != "qkv_projection" or qkv[-1]:  # (..., num_heads, bias is None)

@@ -4,7 +4,7 @@ import torch
 
 from fastbert import dispatch, ops
 from fastbert.ops import reference
-from fastbert.ops.dense import EPILOGUES, own_bf16_linear
+from fastbert.ops.dense import EPILOGUES, own_gemm
 from fastbert.ops.prepared import PreparedWeights
 from fastbert.testing import assert_close, assert_ran, poison_outputs, upcast
 from grids import skip_unless_runnable, skip_unless_variant
@@ -84,108 +84,117 @@ test_bad_input = bad_input_test([
 ])
 
 
-# ------------------------------------- fastbert's own bfloat16 GEMM (dense's fastbert variant), every tail
+# ---------------------------- fastbert's own float32 / bfloat16 GEMM (dense's fastbert variant), every tail
 
-BF16_ISAS = [("best", 0), ("portable", 1), ("avx512_bf16", 2)]
-BF16_EPILOGUES = [("none", "none"), ("gelu", "none"), ("gelu", "tanh")]
-
-
-def skip_unless_bf16_isa(isa):
-    skip_unless_runnable("dense", "cpu", torch.bfloat16)
-    if not torch.ops.fastbert_C.bf16_isa_supported(isa):
-        pytest.skip(f"this CPU lacks avx512_bf16 (isa {isa})")
+GEMM_ISAS = [("best", 0), ("portable", 1), ("avx512", 2)]
+GEMM_EPILOGUES = [("none", "none"), ("gelu", "none"), ("gelu", "tanh")]
+GEMM_DTYPES = [torch.float32, torch.bfloat16]
 
 
-@pytest.mark.parametrize("isa_name,isa", BF16_ISAS, ids=[name for name, _ in BF16_ISAS])
-@pytest.mark.parametrize("activation,approximate", BF16_EPILOGUES, ids=["none", "gelu", "gelu_tanh"])
+def skip_unless_gemm_isa(isa, dtype):
+    skip_unless_runnable("dense", "cpu", dtype)
+    if not torch.ops.fastbert_C.dense_isa_supported(isa, dtype):
+        pytest.skip(f"this CPU lacks avx512f{' and avx512_bf16' if dtype == torch.bfloat16 else ''} (isa {isa})")
+
+
+@pytest.mark.parametrize("dtype", GEMM_DTYPES, ids=str)
+@pytest.mark.parametrize("isa_name,isa", GEMM_ISAS, ids=[name for name, _ in GEMM_ISAS])
+@pytest.mark.parametrize("activation,approximate", GEMM_EPILOGUES, ids=["none", "gelu", "gelu_tanh"])
 @pytest.mark.parametrize("m,k,n", [(1, 1, 1), (3, 5, 17), (7, 64, 15), (17, 768, 70), (130, 96, 200),
                                    (16, 384, 1152), (6, 3072, 64)])
-def test_own_bf16_gemm_matches_the_reference(m, k, n, activation, approximate, isa_name, isa):
-    """bf16_linear against the float64 reference, every tail of m (6-row tiles), n (16 x 4 columns) and k (pairs)."""
-    skip_unless_bf16_isa(isa)
+def test_own_gemm_matches_the_reference(m, k, n, activation, approximate, isa_name, isa, dtype):
+    """dense_gemm against the float64 reference, every tail of m (6-row tiles), n (16 x 4 columns) and k
+    (bfloat16 pairs)."""
+    skip_unless_gemm_isa(isa, dtype)
     gen = torch.Generator().manual_seed(m * 131 + k * 17 + n)
-    x = torch.randn(m, k, generator=gen).bfloat16()
-    weight = (torch.randn(n, k, generator=gen) * k**-0.5).bfloat16()
-    bias = torch.randn(n, generator=gen).bfloat16()
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    weight = (torch.randn(n, k, generator=gen) * k**-0.5).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
     with poison_outputs():
-        out = own_bf16_linear(x, weight, bias, EPILOGUES[activation, approximate], None, isa)
-    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
-    want = reference.dense(*upcast(x, weight, bias), activation, approximate)
-    assert_close(out, want, torch.bfloat16, "matmul")
+        out = own_gemm(x, weight, bias, EPILOGUES[activation, approximate], None, isa)
+    assert out.dtype == dtype and out.shape == (m, n)
+    assert_close(out, reference.dense(*upcast(x, weight, bias), activation, approximate), dtype, "matmul")
 
 
-def test_own_bf16_gemm_without_bias_and_with_float32_bias():
-    skip_unless_bf16_isa(0)
-    x, weight, bias = torch.randn(9, 40).bfloat16(), (torch.randn(33, 40) / 6).bfloat16(), torch.randn(33)
-    for b in (None, bias):
-        out = torch.full((9, 33), float("nan"), dtype=torch.bfloat16)
-        torch.ops.fastbert_C.bf16_linear(x, torch.ops.fastbert_C.bf16_pack(weight), 33, 40, b, 0, 0, out)
-        assert_close(out, reference.dense(*upcast(x, weight, b), "none", "none"), torch.bfloat16, "matmul")
+@pytest.mark.parametrize("dtype", GEMM_DTYPES, ids=str)
+def test_own_gemm_without_bias_and_with_the_other_bias_dtype(dtype):
+    skip_unless_gemm_isa(0, dtype)
+    x, weight = torch.randn(9, 40).to(dtype), (torch.randn(33, 40) / 6).to(dtype)
+    other = torch.bfloat16 if dtype == torch.float32 else torch.float32
+    for bias in (None, torch.randn(33).to(other)):
+        out = torch.full((9, 33), float("nan"), dtype=dtype)
+        torch.ops.fastbert_C.dense_gemm(x, torch.ops.fastbert_C.dense_pack(weight), 33, 40, bias, 0, 0, out)
+        assert_close(out, reference.dense(*upcast(x, weight, bias), "none", "none"), dtype, "matmul")
 
 
-def test_bf16_pack_layout():
-    skip_unless_bf16_isa(1)
-    weight = torch.randn(19, 7).bfloat16()
-    packed = torch.ops.fastbert_C.bf16_pack(weight)
-    assert packed.dtype == torch.bfloat16 and packed.shape == (2, 4, 16, 2)  # n 19 -> 2 blocks of 16, k 7 -> 4 pairs
-    # packed[block, pair, channel, t] = weight[16 block + channel, 2 pair + t], zero past n and k.
-    padded = torch.zeros(32, 8, dtype=torch.bfloat16)
+@pytest.mark.parametrize("dtype,pack", [(torch.float32, 1), (torch.bfloat16, 2)], ids=str)
+def test_dense_pack_layout(dtype, pack):
+    skip_unless_gemm_isa(1, dtype)
+    weight = torch.randn(19, 7).to(dtype)
+    packed = torch.ops.fastbert_C.dense_pack(weight)
+    groups = -(-7 // pack)
+    assert packed.dtype == dtype and packed.shape == (2, groups, 16, pack)  # n 19 -> 2 blocks of 16
+    # packed[block, group, channel, t] = weight[16 block + channel, pack x group + t], zero past n and k.
+    padded = torch.zeros(32, groups * pack, dtype=dtype)
     padded[:19, :7] = weight
-    assert torch.equal(packed, padded.view(2, 16, 4, 2).permute(0, 2, 1, 3))
-    assert torch.equal(torch.ops.fastbert_C.bf16_pack(weight.T.contiguous().T), packed)  # any strides
+    assert torch.equal(packed, padded.view(2, 16, groups, pack).permute(0, 2, 1, 3))
+    assert torch.equal(torch.ops.fastbert_C.dense_pack(weight.T.contiguous().T), packed)  # any strides
 
 
-def test_own_bf16_gemm_keeps_the_packed_weight_in_prepared():
-    skip_unless_bf16_isa(0)
-    x, weight, bias = torch.randn(5, 40).bfloat16(), (torch.randn(33, 40) / 6).bfloat16(), torch.randn(33).bfloat16()
+def test_own_gemm_keeps_the_packed_weight_in_prepared():
+    skip_unless_gemm_isa(0, torch.float32)
+    x, weight, bias = torch.randn(5, 40), torch.randn(33, 40) / 6, torch.randn(33)
     prepared = PreparedWeights()
-    first = own_bf16_linear(x, weight, bias, "none", prepared)
-    packed = prepared.get("bf16_packed", (weight,), lambda w: pytest.fail("packed again though weight is unchanged"))
-    assert torch.equal(packed, torch.ops.fastbert_C.bf16_pack(weight))
-    assert torch.equal(own_bf16_linear(x, weight, bias, "none", prepared), first)
+    first = own_gemm(x, weight, bias, "none", prepared)
+    packed = prepared.get("own_packed", (weight,), lambda w: pytest.fail("packed again though weight is unchanged"))
+    assert torch.equal(packed, torch.ops.fastbert_C.dense_pack(weight))
+    assert torch.equal(own_gemm(x, weight, bias, "none", prepared), first)
     weight.neg_()  # an in-place write: the packing is made again
-    assert torch.equal(own_bf16_linear(x, weight, bias, "none", prepared), own_bf16_linear(x, weight, bias, "none"))
+    assert torch.equal(own_gemm(x, weight, bias, "none", prepared), own_gemm(x, weight, bias, "none"))
 
 
-def test_own_bf16_gemm_serves_dense_when_chosen():
-    """dense in eager bf16 inference through the fastbert variant runs the own GEMM on the owner's packed
+@pytest.mark.parametrize("dtype", GEMM_DTYPES, ids=str)
+def test_own_gemm_serves_dense_when_chosen(dtype):
+    """dense in eager inference through the fastbert variant runs the own GEMM on the owner's packed
     weight, and says so to dispatch.record()."""
-    skip_unless_variant("dense", "fastbert", torch.bfloat16)
-    x, weight, bias = torch.randn(4, 6, 32).bfloat16(), (torch.randn(48, 32) / 6).bfloat16(), torch.randn(48).bfloat16()
+    skip_unless_variant("dense", "fastbert", dtype)
+    x, weight, bias = torch.randn(4, 6, 32).to(dtype), (torch.randn(48, 32) / 6).to(dtype), torch.randn(48).to(dtype)
     prepared = PreparedWeights()
     with torch.no_grad(), poison_outputs(), dispatch.use_variant("dense", "fastbert"), dispatch.record() as calls:
         out = ops.dense(x, weight, bias, "gelu", prepared=prepared)
     assert_ran(calls, "dense", "cpu")
     assert [c.variant for c in calls] == ["fastbert"]
-    assert prepared.get("bf16_packed", (weight,), lambda w: pytest.fail("the own GEMM did not keep its packing")) is not None
-    assert_close(out, reference.dense(*upcast(x, weight, bias), "gelu", "none"), torch.bfloat16, "matmul")
+    assert prepared.get("own_packed", (weight,), lambda w: pytest.fail("the own GEMM did not keep its packing")) is not None
+    assert_close(out, reference.dense(*upcast(x, weight, bias), "gelu", "none"), dtype, "matmul")
 
 
-def bad_bf16_linear(x=None, packed=None, n=5, k=8, bias=None, activation=0, isa=0, out=None):
-    """bf16_linear on a good [3, 8] x [5, 8] problem with one argument replaced."""
-    x = torch.zeros(3, 8, dtype=torch.bfloat16) if x is None else x
-    packed = torch.ops.fastbert_C.bf16_pack(torch.zeros(5, 8, dtype=torch.bfloat16)) if packed is None else packed
-    out = torch.empty(3, 5, dtype=torch.bfloat16) if out is None else out
-    torch.ops.fastbert_C.bf16_linear(x, packed, n, k, bias, activation, isa, out)
+def bad_gemm(x=None, packed=None, n=5, k=8, bias=None, activation=0, isa=0, out=None):
+    """dense_gemm on a good float32 [3, 8] x [5, 8] problem with one argument replaced."""
+    x = torch.zeros(3, 8) if x is None else x
+    packed = torch.ops.fastbert_C.dense_pack(torch.zeros(5, 8)) if packed is None else packed
+    out = torch.empty(3, 5) if out is None else out
+    torch.ops.fastbert_C.dense_gemm(x, packed, n, k, bias, activation, isa, out)
 
 
 @pytest.mark.parametrize("call,message", [
-    (lambda: bad_bf16_linear(x=torch.zeros(3, 8)), "x must be a contiguous bfloat16 \\[m, k = 8\\]"),
-    (lambda: bad_bf16_linear(x=torch.zeros(8, 3, dtype=torch.bfloat16).T), "x must be .* \\(not contiguous\\)"),
-    (lambda: bad_bf16_linear(x=torch.zeros(3, 7, dtype=torch.bfloat16)), "x must be .* \\[m, k = 8\\] .* \\[3, 7\\]"),
-    (lambda: bad_bf16_linear(n=17, out=torch.empty(3, 17, dtype=torch.bfloat16)),
-     "packed must be bf16_pack's output for an \\[n, k\\] = \\[17, 8\\] weight: bfloat16 \\[2, 4, 16, 2\\]"),
-    (lambda: bad_bf16_linear(packed=torch.zeros(1, 4, 16, 2)), "packed must be bf16_pack's output"),
-    (lambda: bad_bf16_linear(n=-1), "n and k \\(the weight's shape\\) must be >= 0"),
-    (lambda: bad_bf16_linear(bias=torch.zeros(6)), "bias must be a bfloat16 or float32 \\[n = 5\\]"),
-    (lambda: bad_bf16_linear(bias=torch.zeros(5, dtype=torch.float64)), "bias must be a bfloat16 or float32"),
-    (lambda: bad_bf16_linear(activation=3), "activation must be 0 \\(none\\), 1 \\(gelu\\), 2 \\(gelu_tanh\\)"),
-    (lambda: bad_bf16_linear(out=torch.empty(3, 6, dtype=torch.bfloat16)), "out must be a contiguous bfloat16 \\[3, 5\\]"),
-    (lambda: bad_bf16_linear(out=torch.empty(3, 5)), "out must be a contiguous bfloat16"),
-    (lambda: bad_bf16_linear(isa=3), "isa must be 0 \\(best available\\), 1 \\(portable C\\+\\+\\) or 2"),
-    (lambda: torch.ops.fastbert_C.bf16_pack(torch.zeros(3, 4)), "bf16_pack: weight must be a bfloat16 \\[n, k\\]"),
+    (lambda: bad_gemm(x=torch.zeros(3, 8, dtype=torch.float64)), "x must be a contiguous float32 or bfloat16 \\[m, k = 8\\]"),
+    (lambda: bad_gemm(x=torch.zeros(8, 3).T), "x must be .* \\(not contiguous\\)"),
+    (lambda: bad_gemm(x=torch.zeros(3, 7)), "x must be .* \\[m, k = 8\\] .* \\[3, 7\\]"),
+    (lambda: bad_gemm(n=17, out=torch.empty(3, 17)),
+     "packed must be dense_pack's output for an \\[n, k\\] = \\[17, 8\\] weight: Float \\[2, 8, 16, 1\\]"),
+    (lambda: bad_gemm(packed=torch.zeros(1, 4, 16, 2, dtype=torch.bfloat16)), "packed must be dense_pack's output"),
+    (lambda: bad_gemm(x=torch.zeros(3, 8, dtype=torch.bfloat16)), "packed must be dense_pack's output .* BFloat16"),
+    (lambda: bad_gemm(n=-1), "n and k \\(the weight's shape\\) must be >= 0"),
+    (lambda: bad_gemm(bias=torch.zeros(6)), "bias must be a float32 or bfloat16 \\[n = 5\\]"),
+    (lambda: bad_gemm(bias=torch.zeros(5, dtype=torch.float64)), "bias must be a float32 or bfloat16"),
+    (lambda: bad_gemm(activation=3), "activation must be 0 \\(none\\), 1 \\(gelu\\), 2 \\(gelu_tanh\\)"),
+    (lambda: bad_gemm(out=torch.empty(3, 6)), "out must be a contiguous Float \\[3, 5\\]"),
+    (lambda: bad_gemm(out=torch.empty(3, 5, dtype=torch.bfloat16)), "out must be a contiguous Float .* \\(x's dtype\\)"),
+    (lambda: bad_gemm(isa=3), "isa must be 0 \\(best available\\), 1 \\(portable C\\+\\+\\) or 2"),
+    (lambda: torch.ops.fastbert_C.dense_pack(torch.zeros(3, 4, dtype=torch.int8)),
+     "dense_pack: weight must be a float32 or bfloat16 \\[n, k\\]"),
 ])
-def test_own_bf16_gemm_bad_input_is_named(call, message):
-    skip_unless_bf16_isa(1)
+def test_own_gemm_bad_input_is_named(call, message):
+    skip_unless_gemm_isa(1, torch.float32)
     with pytest.raises(RuntimeError, match=message):
         call()

@@ -1,0 +1,252 @@
+// fastbert's own float32 and bfloat16 GEMM: out[m, n] = act(sum_k x[m, k] * w[n, k] + bias[n]) in x's dtype,
+// the sum in float32. On Zen 5 oneDNN's bf16 GEMM runs at 30-75% of this one's rate at 16 rows and 90-95% at
+// 128 to 1024; its float32 GEMM at ~50% of the FMA peak from 1024 rows (benchmarks/RESULTS.md). Dispatch
+// measures both per shape class.
+//
+// The weight is packed once into [blocks(n)][groups(k)][16][kPack]: 16 output channels x the k values one
+// 32-bit lane holds (1 float, 2 bfloat16) per 64 bytes, what one vfmadd231ps (float32) or vdpbf16ps
+// (bfloat16, a pair's two products) multiplies against x's 32 bits broadcast to every lane: the int8 GEMM's
+// design (int8_gemm.h). The padding (n to 16, k to kPack) is zero.
+//
+// The AVX-512 tiles carry __attribute__((target(...))) so the file builds for any CPU; the runtime check
+// picks them where the CPU has avx512f (and avx512_bf16 for bfloat16), portable C++ elsewhere (and in tests).
+#pragma once
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "gelu.h"
+#include "gemm_driver.h"
+#include "vec.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define FASTBERT_AVX512F_TARGET __attribute__((target("avx512f")))
+#endif
+
+namespace fastbert {
+namespace float_gemm {
+
+constexpr int64_t kCols = 16;  // output channels per packed block
+
+// k values per 32-bit lane: 1 float, 2 bfloat16.
+template <typename T>
+constexpr int64_t kPack = 4 / sizeof(T);
+
+// isa argument of dense_gemm.
+enum Isa : int64_t { kBest = 0, kPortable = 1, kAvx512 = 2, kLastIsa = kAvx512 };
+
+inline int64_t blocks(int64_t n) { return (n + kCols - 1) / kCols; }
+template <typename T>
+int64_t groups(int64_t k) { return (k + kPack<T> - 1) / kPack<T>; }
+
+// The AVX-512 tiles need avx512f, and vdpbf16ps (avx512_bf16) for bfloat16.
+template <typename T>
+bool cpu_has(int64_t isa) {
+  if (isa == kPortable) return true;
+#if defined(__x86_64__)
+  static const bool avx512 = __builtin_cpu_supports("avx512f") &&
+                             (std::is_same_v<T, float> || __builtin_cpu_supports("avx512bf16"));
+  if (isa == kAvx512) return avx512;
+#endif
+  return false;
+}
+
+template <typename T>
+int64_t best_isa() { return cpu_has<T>(kAvx512) ? kAvx512 : kPortable; }
+
+// w [n, k] row-major -> packed [blocks(n)][groups(k)][16][kPack], every value written (padding zero).
+template <typename T>
+void pack(const T* w, int64_t n, int64_t k, T* packed) {
+  const int64_t g_count = groups<T>(k);
+  at::parallel_for(0, blocks(n), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      T* dst = packed + b * g_count * kCols * kPack<T>;
+      for (int64_t g = 0; g < g_count; ++g)
+        for (int64_t c = 0; c < kCols; ++c)
+          for (int64_t t = 0; t < kPack<T>; ++t) {
+            const int64_t row = b * kCols + c, col = g * kPack<T> + t;
+            *dst++ = row < n && col < k ? w[row * k + col] : T(0.f);
+          }
+    }
+  });
+}
+
+// One GEMM's operands: x [m, k] and out [m, n] row-major; bias float32 [n] or nullptr; activation 0 none,
+// 1 GELU (erf), 2 GELU (tanh).
+template <typename T>
+struct Problem {
+  const T* x;
+  const T* packed;  // as pack() made it
+  const float* bias;
+  T* out;
+  int64_t m, n, k, activation;
+  int64_t block_stride() const { return groups<T>(k) * kCols * kPack<T>; }  // values from block to block
+};
+
+// A tile: kRows rows from `row` x kBlocks 16-channel blocks from `block`, as float32 sums at `tile`
+// (row stride ldt).
+template <typename T>
+using TileFn = void (*)(const Problem<T>&, int64_t row, int64_t block, float* tile, int64_t ldt);
+
+// The tile's rows [row, row + rows) x its columns [col0, col0 + cols) to out: bias, GELU, T, while the tile
+// is in L1.
+template <typename T>
+void epilogue(const Problem<T>& p, int64_t row, int64_t rows, int64_t col0, int64_t cols, const float* tile,
+              int64_t ldt) {
+  const bool tanh_form = p.activation == 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* t = tile + r * ldt;
+    T* o = p.out + (row + r) * p.n + col0;
+    for_blocks(cols, [&](int64_t j, int64_t m) {
+      VecF a, b, bias_a(0.f), bias_b(0.f);
+      load2(t + j, m, a, b);
+      if (p.bias != nullptr) load2(p.bias + col0 + j, m, bias_a, bias_b);
+      a = a + bias_a;
+      b = b + bias_b;
+      if (p.activation != 0) {
+        a = gelu<T>(a, tanh_form);
+        b = gelu<T>(b, tanh_form);
+      }
+      store2(o + j, m, a, b);
+    });
+  }
+}
+
+// Group g of a row with k values as one 32-bit lane; past k zero (the padded weights are zero too, but
+// reading past the row could leave the tensor).
+template <typename T>
+int32_t load_group(const T* row, int64_t g, int64_t k) {
+  int32_t v = 0;
+  std::memcpy(&v, row + g * kPack<T>, static_cast<size_t>(std::min(kPack<T>, k - g * kPack<T>)) * sizeof(T));
+  return v;
+}
+
+// ---------------------------------------------------------------- portable: float loops for the compiler
+
+template <typename T, int kRows, int kBlocks>
+void tile_portable(const Problem<T>& p, int64_t row, int64_t block, float* tile, int64_t ldt) {
+  const int64_t stride = p.block_stride();
+  const T* w = p.packed + block * stride;
+  const T* x = p.x + row * p.k;
+  for (int r = 0; r < kRows; ++r)
+    for (int64_t c = 0; c < kBlocks * kCols; ++c) {
+      const T* wc = w + (c / kCols) * stride + (c % kCols) * kPack<T>;
+      float acc = 0.f;
+      for (int64_t i = 0; i < p.k; ++i)
+        acc += static_cast<float>(x[r * p.k + i]) *
+               static_cast<float>(wc[(i / kPack<T>) * kCols * kPack<T> + i % kPack<T>]);
+      tile[r * ldt + c] = acc;
+    }
+}
+
+#if defined(__x86_64__)
+
+// acc += x * w lane by lane: a float32 FMA, or for bfloat16 pairs both products (vdpbf16ps). In asm,
+// accumulating in place (as int8_gemm.h's dpbusd: the intrinsics make gcc copy every accumulator on each
+// k step); the assembler takes vdpbf16ps whatever the compiler's target.
+template <typename T>
+FASTBERT_AVX512F_TARGET __attribute__((always_inline)) inline void multiply_add(__m512& acc, __m512 x, __m512 w) {
+  if constexpr (std::is_same_v<T, float>) {
+    asm("vfmadd231ps %[w], %[x], %[acc]" : [acc] "+v"(acc) : [x] "v"(x), [w] "v"(w));
+  } else {
+    asm("vdpbf16ps %[w], %[x], %[acc]" : [acc] "+v"(acc) : [x] "v"(x), [w] "v"(w));
+  }
+}
+
+// One k group: the kBlocks weight vectors at w (blocks block_stride values apart), each row's 32 bits of x
+// broadcast to all lanes.
+template <typename T, int kRows, int kBlocks>
+FASTBERT_AVX512F_TARGET __attribute__((always_inline)) inline void group_avx512(
+    __m512 (&acc)[kRows][kBlocks], const T* w, int64_t block_stride, const int32_t (&x)[kRows]) {
+  __m512 wv[kBlocks];
+#pragma GCC unroll 4
+  for (int b = 0; b < kBlocks; ++b) wv[b] = _mm512_loadu_ps(w + b * block_stride);
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r) {
+    const __m512 xr = _mm512_castsi512_ps(_mm512_set1_epi32(x[r]));
+#pragma GCC unroll 4
+    for (int b = 0; b < kBlocks; ++b) multiply_add<T>(acc[r][b], xr, wv[b]);
+  }
+}
+
+// kRows x kBlocks accumulators (6 x 4 = 24 of the 32 zmm registers) and one group's weights in kBlocks more.
+template <typename T, int kRows, int kBlocks>
+FASTBERT_AVX512F_TARGET void tile_avx512(const Problem<T>& p, int64_t row, int64_t block, float* tile, int64_t ldt) {
+  __m512 acc[kRows][kBlocks];
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r)
+#pragma GCC unroll 4
+    for (int b = 0; b < kBlocks; ++b) acc[r][b] = _mm512_setzero_ps();
+  const int64_t stride = p.block_stride();
+  constexpr int64_t kGroupValues = kCols * kPack<T>;
+  const T* w = p.packed + block * stride;
+  const T* x = p.x + row * p.k;
+  const int64_t full = p.k / kPack<T>;
+  for (int64_t g = 0; g < full; ++g) {
+    int32_t xv[kRows];
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) std::memcpy(&xv[r], x + r * p.k + g * kPack<T>, sizeof(int32_t));
+    group_avx512<T>(acc, w + g * kGroupValues, stride, xv);
+  }
+  if (full * kPack<T> < p.k) {
+    int32_t xv[kRows];
+    for (int r = 0; r < kRows; ++r) xv[r] = load_group(x + r * p.k, full, p.k);
+    group_avx512<T>(acc, w + full * kGroupValues, stride, xv);
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r)
+#pragma GCC unroll 4
+    for (int b = 0; b < kBlocks; ++b) _mm512_storeu_ps(tile + r * ldt + b * kCols, acc[r][b]);
+}
+
+#endif  // __x86_64__
+
+// ---------------------------------------------------------------- driver
+
+// The tile functions as make_kernel takes them: AVX-512's or portable C++'s.
+template <typename T, bool kAvx512>
+struct Tiles {
+  template <int kRows, int kBlocks>
+  struct Tile {
+    static void run(const Problem<T>& p, int64_t row, int64_t block, float* tile, int64_t ldt) {
+#if defined(__x86_64__)
+      if constexpr (kAvx512) return tile_avx512<T, kRows, kBlocks>(p, row, block, tile, ldt);
+#endif
+      tile_portable<T, kRows, kBlocks>(p, row, block, tile, ldt);
+    }
+  };
+};
+
+template <typename T, int kRows, int kBlocks>
+void run(const Problem<T>& p, const gemm_driver::Kernel<TileFn<T>, kRows, kBlocks>& kernel) {
+  constexpr int64_t kTileCols = kBlocks * kCols;
+  gemm_driver::for_tiles<kRows, kBlocks, kCols>(p.m, blocks(p.n), p.k, [&](int64_t r, int64_t rows, int64_t block,
+                                                                            int64_t nb, float* tile) {
+    const int64_t col0 = block * kCols;
+    kernel.table[rows - 1][nb - 1](p, r, block, tile, kTileCols);
+    epilogue(p, r, rows, col0, std::min(nb * kCols, p.n - col0), tile, kTileCols);
+  });
+}
+
+// isa: an Isa the CPU has for T (the caller checks); kBest picks.
+template <typename T>
+void linear(const Problem<T>& p, int64_t isa) {
+  if (p.m == 0 || p.n == 0) return;
+  if (isa == kBest) isa = best_isa<T>();
+#if defined(__x86_64__)
+  if (isa == kAvx512) {
+    static const auto kernel = gemm_driver::make_kernel<TileFn<T>, Tiles<T, true>::template Tile, 6, 4>();
+    return run(p, kernel);
+  }
+#endif
+  static const auto kernel = gemm_driver::make_kernel<TileFn<T>, Tiles<T, false>::template Tile, 4, 1>();
+  run(p, kernel);
+}
+
+}  // namespace float_gemm
+}  // namespace fastbert
