@@ -16,10 +16,10 @@ import time
 import torch
 
 import fastbert
-from fastbert import dispatch
+from fastbert import _C, dispatch  # noqa: F401  (_C: the fastbert_C ops, called directly here)
 from fastbert.apps.demo import minilm_dir
 from fastbert.ops import _onednn
-from fastbert.ops.dense import own_pack
+from fastbert.ops.dense import own_pack, own_reasons
 
 
 def alternate(fns: dict, rounds: int = 25, min_s: float = 0.002) -> dict:
@@ -108,5 +108,9 @@ if __name__ == "__main__":
     args = parser.parse_args()
     print(f"torch threads {torch.get_num_threads()}")
     for dtype in args.dtypes.split(","):
+        reasons = own_reasons(dispatch.Facts(("cpu",), (DTYPES[dtype],)))
+        if reasons:  # (its portable C++ form is for tests, not for timing)
+            print(f"{dtype}: the own GEMM does not serve here: {'; '.join(reasons)}")
+            continue
         gemms(dtype, [int(r) for r in args.rows.split(",") if r])
         forwards(dtype, [m for m in args.models.split(",") if m])

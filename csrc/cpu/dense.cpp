@@ -1,6 +1,7 @@
 // dense on CPU: fastbert's own float32 / bfloat16 GEMM with bias and GELU in its epilogue (float_gemm.h),
 // beside oneDNN's (fastbert/ops/dense.py; dispatch measures which is faster for a shape).
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <torch/library.h>
 
 #include <vector>
@@ -62,13 +63,17 @@ void dense_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_
               "dense_gemm: isa must be 0 (best available), 1 (portable C++) or 2 (AVX-512), got ", isa);
   TORCH_CHECK(isa_supported(isa, dtype), "dense_gemm: isa ", isa, " needs a CPU with avx512f",
               dtype == at::kBFloat16 ? " and avx512_bf16" : "", "; this CPU lacks it (isa 0 picks the best it has)");
+  at::assert_no_overlap(out, x);  // other panels still read the rows a tile has written
   const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
   std::vector<float> converted;  // the epilogue adds float32
+  const float* bias_ptr = nullptr;
   if (b.defined() && b.scalar_type() == at::kBFloat16) {
     const c10::BFloat16* values = b.data_ptr<c10::BFloat16>();
     converted.assign(values, values + n);
+    bias_ptr = converted.data();
+  } else if (b.defined()) {
+    bias_ptr = b.data_ptr<float>();
   }
-  const float* bias_ptr = !b.defined() ? nullptr : converted.empty() ? b.data_ptr<float>() : converted.data();
   if (dtype == at::kFloat) {
     float_gemm::linear(float_gemm::Problem<float>{x.data_ptr<float>(), packed.data_ptr<float>(), bias_ptr,
                                                   out.data_ptr<float>(), m, n, k, activation}, isa);

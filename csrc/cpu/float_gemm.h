@@ -1,7 +1,8 @@
 // fastbert's own float32 and bfloat16 GEMM: out[m, n] = act(sum_k x[m, k] * w[n, k] + bias[n]) in x's dtype,
-// the sum in float32. On Zen 5 oneDNN's bf16 GEMM runs at 30-75% of this one's rate at 16 rows and 90-95% at
-// 128 to 1024; its float32 GEMM at ~50% of the FMA peak from 1024 rows (benchmarks/RESULTS.md). Dispatch
-// measures both per shape class.
+// the sum in float32. On Zen 5 oneDNN's GEMMs run at 46-89% of this one's rate at 16 rows and 80-97% at 128
+// (benchmarks/RESULTS.md); from 1024 rows they are level, and oneDNN wins where the weight panel outgrows L2
+// (no k blocking here). Dispatch measures both per shape class. vdpbf16ps flushes denormal inputs and
+// results to zero (the portable path does not): far below bfloat16's rounding.
 //
 // The weight is packed once into [blocks(n)][groups(k)][16][kPack]: 16 output channels x the k values one
 // 32-bit lane holds (1 float, 2 bfloat16) per 64 bytes, what one vfmadd231ps (float32) or vdpbf16ps

@@ -132,7 +132,7 @@ def own_gemm(x, weight, bias, activation, prepared: PreparedWeights | None = Non
     """epilogue(x @ weight.T + bias) on fastbert's own GEMM, bias and GELU in its tiles; `isa` as GEMM_ISAS
     (0 the best this CPU has; forcing one it lacks raises)."""
     n, k = weight.shape
-    x2d = x.reshape(-1, k).contiguous()
+    x2d = x.reshape(x.shape[:-1].numel(), k).contiguous()  # (-1 cannot infer the rows where k is 0)
     out = _alloc.empty((x2d.shape[0], n), dtype=x.dtype, device=x.device)
     torch.ops.fastbert_C.dense_gemm(x2d, own_pack(weight, prepared), n, k, bias, ACTIVATION_CODES[activation], isa, out)
     return out.view(*x.shape[:-1], n)

@@ -12,7 +12,7 @@ import torch
 from fastbert import dispatch, tuning
 from fastbert.ops import _alloc, _checks, _onednn, reference
 from fastbert.ops._op import needs_grad
-from fastbert.ops.dense import EPILOGUES, linear_checks, linear_class
+from fastbert.ops.dense import ACTIVATION_CODES, EPILOGUES, linear_checks, linear_class
 from fastbert.ops.prepared import PreparedWeights
 from fastbert.ops.reference import QuantizedRows
 
@@ -109,7 +109,6 @@ def _reference(x, weight, weight_scale, bias, epilogue, prepared, quantize_outpu
 
 # ------------------------- cpu: a u8 x s8 GEMM (oneDNN's, or own_gemm) between fastbert._C's quantize and epilogue
 
-_ACTIVATION_CODES = {"none": 0, "gelu": 1, "gelu_tanh": 2}
 
 
 def _packed(weight, rows_hint):
@@ -248,7 +247,7 @@ def _cpu(x, weight, weight_scale, bias, epilogue, prepared, quantize_output, inp
         "int8_sums", (weight, weight_scale), _weight_sums)
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.float().contiguous()  # (a call saved where it is already: Int8Linear keeps it so)
-    code = _ACTIVATION_CODES[epilogue]
+    code = ACTIVATION_CODES[epilogue]
     if quantize_output:
         out = QuantizedRows(_alloc.empty((m, n), dtype=torch.uint8, device=device),
                             _alloc.empty((m,), dtype=torch.float32, device=device),

@@ -63,6 +63,8 @@ OPCHECKS = [
             lambda: (torch.randn(7, 6), torch.randn(7, 8), torch.randn(6, 8), torch.randn(6), "none")),
     OpCheck("cpu", "dense_onednn_backward",
             lambda: (torch.randn(2, 3, 6), torch.randn(2, 3, 8), torch.randn(6, 8), None, "gelu_tanh")),
+    OpCheck("cpu", "dense_fastbert", lambda: (_rand(4, 8), _rand(6, 8), _rand(6), "gelu")),
+    OpCheck("cpu", "dense_fastbert", lambda: (_rand(2, 3, 8), _rand(6, 8), None, "none")),
     OpCheck("triton", "dense_triton", lambda: (_rand(5, 24), _rand(40, 24), _rand(40), "gelu")),
     OpCheck("triton", "dense_triton", lambda: (_rand(2, 3, 24), _rand(16, 24), None, "gelu_tanh")),
     OpCheck("triton", "dense_triton_backward",
@@ -114,6 +116,19 @@ def test_own_gemm_matches_the_reference(m, k, n, activation, approximate, isa_na
         out = own_gemm(x, weight, bias, EPILOGUES[activation, approximate], None, isa)
     assert out.dtype == dtype and out.shape == (m, n)
     assert_close(out, reference.dense(*upcast(x, weight, bias), activation, approximate), dtype, "matmul")
+
+
+@pytest.mark.parametrize("dtype", GEMM_DTYPES, ids=str)
+@pytest.mark.parametrize("m,k,n", [(0, 8, 5), (3, 0, 5), (3, 8, 0)])
+def test_own_gemm_of_empty_shapes(m, k, n, dtype):
+    """No rows, an empty sum (the bias alone) or no columns."""
+    skip_unless_gemm_isa(0, dtype)
+    x, weight, bias = torch.randn(m, k).to(dtype), torch.randn(n, k).to(dtype), torch.randn(n).to(dtype)
+    with poison_outputs():
+        out = own_gemm(x, weight, bias, "gelu")
+    assert out.shape == (m, n) and out.dtype == dtype
+    if out.numel():  # k = 0: GELU of the bias
+        assert_close(out, reference.dense(*upcast(x, weight, bias), "gelu", "none"), dtype, "matmul")
 
 
 @pytest.mark.parametrize("dtype", GEMM_DTYPES, ids=str)
@@ -191,6 +206,8 @@ def bad_gemm(x=None, packed=None, n=5, k=8, bias=None, activation=0, isa=0, out=
     (lambda: bad_gemm(out=torch.empty(3, 6)), "out must be a contiguous Float \\[3, 5\\]"),
     (lambda: bad_gemm(out=torch.empty(3, 5, dtype=torch.bfloat16)), "out must be a contiguous Float .* \\(x's dtype\\)"),
     (lambda: bad_gemm(isa=3), "isa must be 0 \\(best available\\), 1 \\(portable C\\+\\+\\) or 2"),
+    (lambda: (lambda x: bad_gemm(x=x, packed=torch.ops.fastbert_C.dense_pack(torch.zeros(8, 8)), n=8, out=x))(
+        torch.zeros(3, 8)), "unsupported operation: some elements of the input"),  # out over x
     (lambda: torch.ops.fastbert_C.dense_pack(torch.zeros(3, 4, dtype=torch.int8)),
      "dense_pack: weight must be a float32 or bfloat16 \\[n, k\\]"),
 ])
