@@ -3,10 +3,11 @@ variant) against oneDNN's packed GEMM (their `onednn` variant), alternating in o
 
 1. the four linears of BERT-base (h768) and MiniLM (h384) at 16, 128 and 1024 rows, bias (and GELU on FFN
    in) included, each on its kept packed weight;
-2. whole forwards (plans replaying, one C++ call a layer) with every linear on one or the other.
+2. whole forwards (plans replaying, one C++ call a layer) with every linear on one or the other; shapes
+   as `python -m fastbert bench` makes them (ragged32: 32 sentences of 16-128 tokens).
 
     .venv/bin/python benchmarks/own_gemm.py [--dtypes fp32,bf16] [--rows 16,128,1024]
-                                            [--models base:1x128,minilm:1x16,base:8x128]
+                                            [--models base:1x128,minilm:1x16,base:8x128,base:ragged32]
 """
 import argparse
 import copy
@@ -17,6 +18,7 @@ import torch
 
 import fastbert
 from fastbert import _C, dispatch  # noqa: F401  (_C: the fastbert_C ops, called directly here)
+from fastbert.apps.bench import make_batch
 from fastbert.apps.demo import minilm_dir
 from fastbert.ops import _onednn
 from fastbert.ops.dense import own_pack, own_reasons
@@ -67,13 +69,12 @@ def forwards(dtype, specs):
     real = dispatch._choose_variant
     for spec in specs:
         name, shape = spec.split(":")
-        b, s = map(int, shape.split("x"))
         torch.manual_seed(0)
         if name == "minilm":
             base = fastbert.BertModel.from_pretrained(minilm_dir()).eval().to(DTYPES[dtype])
         else:
             base = fastbert.BertModel(fastbert.BertConfig.base()).eval().to(DTYPES[dtype])
-        ids, mask = torch.randint(1000, 2000, (b, s)), torch.ones(b, s, dtype=torch.long)
+        ids, mask = make_batch(shape, base.config.vocab_size)
         models, outputs = {}, {}
         for variant in ("onednn", "fastbert"):
             model = copy.deepcopy(base)
@@ -104,7 +105,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtypes", default="fp32,bf16")
     parser.add_argument("--rows", default="16,128,1024")
-    parser.add_argument("--models", default="base:1x128,minilm:1x16,base:8x128")
+    parser.add_argument("--models", default="base:1x128,minilm:1x16,base:8x128,base:ragged32")
     args = parser.parse_args()
     print(f"torch threads {torch.get_num_threads()}")
     for dtype in args.dtypes.split(","):
