@@ -89,10 +89,17 @@ struct Problem {
   int64_t block_stride() const { return groups<T>(k) * kCols * kPack<T>; }  // values from block to block
 };
 
-// A tile: kRows rows from `row` x kBlocks 16-channel blocks from `block`, as float32 sums at `tile`
-// (row stride ldt).
+// A tile: kRows rows from `row` x kBlocks 16-channel blocks from `block`, the sums over k in [k0, k1) (whole
+// groups, or up to k) added to the float32 sums at `tile` (row stride ldt), or written there where k0 is 0.
 template <typename T>
-using TileFn = void (*)(const Problem<T>&, int64_t row, int64_t block, float* tile, int64_t ldt);
+using TileFn = void (*)(const Problem<T>&, int64_t row, int64_t block, int64_t k0, int64_t k1, float* tile,
+                        int64_t ldt);
+
+// k per chunk: a panel's weights for one chunk (k x 64 columns) take at most 192 KB, so that they stay in L2
+// beside the task's rows while its tiles pass over them (float32 1024 x 3072 -> 768: the whole panel, 768 KB,
+// and 96 rows of x, 1.1 MB, left L2 and the GEMM ran at 0.91x oneDNN's).
+template <typename T>
+constexpr int64_t kChunk = 192 * 1024 / (64 * sizeof(T));
 
 // The tile's rows [row, row + rows) x its columns [col0, col0 + cols) to out: bias, GELU, T, while the tile
 // is in L1.
@@ -130,15 +137,16 @@ int32_t load_group(const T* row, int64_t g, int64_t k) {
 // ---------------------------------------------------------------- portable: float loops for the compiler
 
 template <typename T, int kRows, int kBlocks>
-void tile_portable(const Problem<T>& p, int64_t row, int64_t block, float* tile, int64_t ldt) {
+void tile_portable(const Problem<T>& p, int64_t row, int64_t block, int64_t k0, int64_t k1, float* tile,
+                   int64_t ldt) {
   const int64_t stride = p.block_stride();
   const T* w = p.packed + block * stride;
   const T* x = p.x + row * p.k;
   for (int r = 0; r < kRows; ++r)
     for (int64_t c = 0; c < kBlocks * kCols; ++c) {
       const T* wc = w + (c / kCols) * stride + (c % kCols) * kPack<T>;
-      float acc = 0.f;
-      for (int64_t i = 0; i < p.k; ++i)
+      float acc = k0 == 0 ? 0.f : tile[r * ldt + c];
+      for (int64_t i = k0; i < k1; ++i)
         acc += static_cast<float>(x[r * p.k + i]) *
                static_cast<float>(wc[(i / kPack<T>) * kCols * kPack<T> + i % kPack<T>]);
       tile[r * ldt + c] = acc;
@@ -177,24 +185,26 @@ FASTBERT_AVX512F_TARGET __attribute__((always_inline)) inline void group_avx512(
 
 // kRows x kBlocks accumulators (6 x 4 = 24 of the 32 zmm registers) and one group's weights in kBlocks more.
 template <typename T, int kRows, int kBlocks>
-FASTBERT_AVX512F_TARGET void tile_avx512(const Problem<T>& p, int64_t row, int64_t block, float* tile, int64_t ldt) {
+FASTBERT_AVX512F_TARGET void tile_avx512(const Problem<T>& p, int64_t row, int64_t block, int64_t k0, int64_t k1,
+                                         float* tile, int64_t ldt) {
   __m512 acc[kRows][kBlocks];
 #pragma GCC unroll 8
   for (int r = 0; r < kRows; ++r)
 #pragma GCC unroll 4
-    for (int b = 0; b < kBlocks; ++b) acc[r][b] = _mm512_setzero_ps();
+    for (int b = 0; b < kBlocks; ++b)
+      acc[r][b] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(tile + r * ldt + b * kCols);
   const int64_t stride = p.block_stride();
   constexpr int64_t kGroupValues = kCols * kPack<T>;
   const T* w = p.packed + block * stride;
   const T* x = p.x + row * p.k;
-  const int64_t full = p.k / kPack<T>;
-  for (int64_t g = 0; g < full; ++g) {
+  const int64_t full = k1 / kPack<T>;  // k1 is a whole group's end, or k
+  for (int64_t g = k0 / kPack<T>; g < full; ++g) {
     int32_t xv[kRows];
 #pragma GCC unroll 8
     for (int r = 0; r < kRows; ++r) std::memcpy(&xv[r], x + r * p.k + g * kPack<T>, sizeof(int32_t));
     group_avx512<T>(acc, w + g * kGroupValues, stride, xv);
   }
-  if (full * kPack<T> < p.k) {
+  if (full * kPack<T> < k1) {
     int32_t xv[kRows];
     for (int r = 0; r < kRows; ++r) xv[r] = load_group(x + r * p.k, full, p.k);
     group_avx512<T>(acc, w + full * kGroupValues, stride, xv);
@@ -214,23 +224,36 @@ template <typename T, bool kAvx512>
 struct Tiles {
   template <int kRows, int kBlocks>
   struct Tile {
-    static void run(const Problem<T>& p, int64_t row, int64_t block, float* tile, int64_t ldt) {
+    static void run(const Problem<T>& p, int64_t row, int64_t block, int64_t k0, int64_t k1, float* tile,
+                    int64_t ldt) {
 #if defined(__x86_64__)
-      if constexpr (kAvx512) return tile_avx512<T, kRows, kBlocks>(p, row, block, tile, ldt);
+      if constexpr (kAvx512) return tile_avx512<T, kRows, kBlocks>(p, row, block, k0, k1, tile, ldt);
 #endif
-      tile_portable<T, kRows, kBlocks>(p, row, block, tile, ldt);
+      tile_portable<T, kRows, kBlocks>(p, row, block, k0, k1, tile, ldt);
     }
   };
 };
 
+// Each task's tiles chunk by chunk of k (kChunk), their sums kept in a per-task buffer between chunks; then
+// the epilogue, tile by tile.
 template <typename T, int kRows, int kBlocks>
 void run(const Problem<T>& p, const gemm_driver::Kernel<TileFn<T>, kRows, kBlocks>& kernel) {
   constexpr int64_t kTileCols = kBlocks * kCols;
-  gemm_driver::for_tiles<kRows, kBlocks, kCols>(p.m, blocks(p.n), p.k, [&](int64_t r, int64_t rows, int64_t block,
-                                                                            int64_t nb, float* tile) {
+  gemm_driver::for_tasks<kRows, kBlocks, kCols>(p.m, blocks(p.n), p.k, [&](int64_t row0, int64_t row_end,
+                                                                            int64_t block, int64_t nb) {
+    alignas(64) float sums[kRows * gemm_driver::kTilesPerTask * kTileCols];
+    int64_t k0 = 0;
+    do {  // (once where k is 0: the sums are zeros)
+      const int64_t k1 = std::min(p.k, k0 + kChunk<T>);
+      for (int64_t r = row0; r < row_end; r += kRows)
+        kernel.table[std::min<int64_t>(kRows, row_end - r) - 1][nb - 1](p, r, block, k0, k1,
+                                                                        sums + (r - row0) * kTileCols, kTileCols);
+      k0 = k1;
+    } while (k0 < p.k);
     const int64_t col0 = block * kCols;
-    kernel.table[rows - 1][nb - 1](p, r, block, tile, kTileCols);
-    epilogue(p, r, rows, col0, std::min(nb * kCols, p.n - col0), tile, kTileCols);
+    for (int64_t r = row0; r < row_end; r += kRows)
+      epilogue(p, r, std::min<int64_t>(kRows, row_end - r), col0, std::min(nb * kCols, p.n - col0),
+               sums + (r - row0) * kTileCols, kTileCols);
   });
 }
 

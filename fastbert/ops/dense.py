@@ -164,6 +164,8 @@ def own_reasons(facts) -> list[str]:
         return _onednn.missing()  # (its backward is oneDNN's)
     if len(set(facts.dtypes)) != 1 or facts.dtypes[0] not in (torch.float32, torch.bfloat16):
         return ["float32 or bfloat16 only"]
+    if dispatch.machine_reasons("cpu"):  # fastbert._C missing: `info` still lists this variant
+        return list(dispatch.machine_reasons("cpu"))
     from fastbert import _C  # noqa: F401  (defines torch.ops.fastbert_C)
 
     if not torch.ops.fastbert_C.dense_isa_supported(GEMM_ISAS["avx512"], facts.dtypes[0]):

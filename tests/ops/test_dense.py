@@ -103,10 +103,10 @@ def skip_unless_gemm_isa(isa, dtype):
 @pytest.mark.parametrize("isa_name,isa", GEMM_ISAS, ids=[name for name, _ in GEMM_ISAS])
 @pytest.mark.parametrize("activation,approximate", GEMM_EPILOGUES, ids=["none", "gelu", "gelu_tanh"])
 @pytest.mark.parametrize("m,k,n", [(1, 1, 1), (3, 5, 17), (7, 64, 15), (17, 768, 70), (130, 96, 200),
-                                   (16, 384, 1152), (6, 3072, 64)])
+                                   (16, 384, 1152), (6, 3072, 64), (9, 769, 33), (5, 1537, 40)])
 def test_own_gemm_matches_the_reference(m, k, n, activation, approximate, isa_name, isa, dtype):
     """dense_gemm against the float64 reference, every tail of m (6-row tiles), n (16 x 4 columns) and k
-    (bfloat16 pairs)."""
+    (bfloat16 pairs; chunks of 768 float32 and 1536 bfloat16 values)."""
     skip_unless_gemm_isa(isa, dtype)
     gen = torch.Generator().manual_seed(m * 131 + k * 17 + n)
     x = torch.randn(m, k, generator=gen).to(dtype)
