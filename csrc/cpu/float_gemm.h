@@ -1,7 +1,7 @@
 // fastbert's own float32 and bfloat16 GEMM: out[m, n] = act(sum_k x[m, k] * w[n, k] + bias[n]) in x's dtype,
 // the sum in float32. On Zen 5 oneDNN's GEMMs run at 46-89% of this one's rate at 16 rows and 80-97% at 128
-// (benchmarks/RESULTS.md); from 1024 rows they are level, and oneDNN wins where the weight panel outgrows L2
-// (no k blocking here). Dispatch measures both per shape class. vdpbf16ps flushes denormal inputs and
+// (benchmarks/RESULTS.md); from 1024 rows they are level within 0.93-1.07x (oneDNN's float32 falls behind at
+// 4096 rows). Dispatch measures both per shape class. vdpbf16ps flushes denormal inputs and
 // results to zero (the portable path does not): far below bfloat16's rounding.
 //
 // The weight is packed once into [blocks(n)][groups(k)][16][kPack]: 16 output channels x the k values one
