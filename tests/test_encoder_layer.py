@@ -86,6 +86,7 @@ FLOAT_CHOICES = {
     "onednn+bias_gelu": {"dense": "onednn+bias_gelu"},
     "brgemm": {"attention": "brgemm", "varlen_attention": "brgemm"},
     "own-gemm": {"qkv_projection": "fastbert", "dense": "fastbert"},
+    "onednn-rows": {"qkv_projection": "onednn-rows", "dense": "onednn-rows"},
 }
 
 
@@ -97,6 +98,8 @@ def test_float_layers_in_one_call_equal_op_by_op(monkeypatch, choice, dtype, sha
         pytest.skip("brgemm attention is bfloat16 only")
     if choice == "own-gemm" and not torch.ops.fastbert_C.dense_isa_supported(2, torch.bfloat16 if dtype == "bf16" else torch.float32):
         pytest.skip("this CPU lacks the own GEMM's AVX-512 tiles: dispatch never picks it")
+    if choice == "onednn-rows":  # blocks of 8 rows: the small batches here run 2 to 5 of them
+        monkeypatch.setattr(importlib.import_module("fastbert.ops.dense"), "ONEDNN_ROW_BLOCK", 8)
     choose(monkeypatch, FLOAT_CHOICES[choice])
     runs = Runs(monkeypatch)
     recorded = check_one_call_equals_op_by_op(model_of(dtype), *inputs(shape), runs)
@@ -104,8 +107,8 @@ def test_float_layers_in_one_call_equal_op_by_op(monkeypatch, choice, dtype, sha
     if choice == "brgemm" and "brgemm" not in ran:
         pytest.skip("brgemm attention cannot run on this machine (its one-time check refused it)")
     linears = {variant for op, _, variant, _ in recorded if op in ("dense", "qkv_projection")}
-    if choice == "own-gemm":
-        assert linears == {"fastbert"}
+    if choice in ("own-gemm", "onednn-rows"):
+        assert linears == {FLOAT_CHOICES[choice]["dense"]}
     elif choice == "onednn":
         assert linears == {"onednn"} and ran - linears <= {"fastbert"}  # (attention's own kernel)
     else:
@@ -174,9 +177,9 @@ def test_attention_probabilities_run_op_by_op(monkeypatch):
 def test_bad_arguments_are_refused_by_name():
     x = torch.randn(4, 8)
     with pytest.raises(RuntimeError, match="20 weight slots"):
-        torch.ops.fastbert_C.encoder_layer(x, None, None, None, None, None, 0, 0, [], [0] * 10, 1e-12, False)
+        torch.ops.fastbert_C.encoder_layer(x, None, None, None, None, None, 0, 0, [], [0] * 11, 1e-12, False)
     with pytest.raises(RuntimeError, match="contiguous"):
-        torch.ops.fastbert_C.encoder_layer(x.t(), None, None, None, None, None, 0, 0, [None] * 20, [0] * 10, 1e-12,
+        torch.ops.fastbert_C.encoder_layer(x.t(), None, None, None, None, None, 0, 0, [None] * 20, [0] * 11, 1e-12,
                                            False)
 
 

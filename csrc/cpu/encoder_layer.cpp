@@ -21,14 +21,17 @@ namespace {
 
 // codes: int8 or float; heads; attention's variant (Attention below); for each linear (QKV, output,
 // FFN in, FFN out) how it ran (Linear or Int8Gemm below); GELU's form (1 erf, 2 tanh); the bytes that
-// quantized_dense's blocks of rows fill (_cache_bytes); whether to NaN-fill outputs (as fastbert's tests do).
+// quantized_dense's blocks of rows fill (_cache_bytes); rows per oneDNN call of kOnednnRows linears
+// (dense.ONEDNN_ROW_BLOCK); whether to NaN-fill outputs (as fastbert's tests do).
 enum Code : int64_t {
-  kInt8, kHeads, kAttention, kQkvLinear, kOutLinear, kInLinear, kFfnLinear, kActivation, kCacheBytes, kPoison, kCodes
+  kInt8, kHeads, kAttention, kQkvLinear, kOutLinear, kInLinear, kFfnLinear, kActivation, kCacheBytes, kRowBlock,
+  kPoison, kCodes
 };
 // dense's variants (and qkv_projection's onednn, torch and fastbert): oneDNN's packed GEMM with bias and
 // GELU as post-ops; the same without them, then fastbert's bias_gelu kernel in place; torch's F.linear and
-// F.gelu; fastbert's own float32 / bfloat16 GEMM (float_gemm.h) with both in its epilogue.
-enum Linear : int64_t { kOnednn, kOnednnThenBiasGelu, kTorch, kOwnDense };
+// F.gelu; fastbert's own float32 / bfloat16 GEMM (float_gemm.h) with both in its epilogue; oneDNN's
+// GEMM one block of codes[kRowBlock] rows at a time.
+enum Linear : int64_t { kOnednn, kOnednnThenBiasGelu, kTorch, kOwnDense, kOnednnRows };
 // quantized_dense's variants: fastbert's own GEMM (int8_gemm.h), oneDNN's u8 x s8 GEMM.
 enum Int8Gemm : int64_t { kOwnGemm, kOnednnGemm };
 // attention's variants: fastbert's kernel, the same on ATen's brgemm, torch's SDPA (padded batches only).
@@ -155,8 +158,20 @@ struct Layer {
         ops().bias_gelu.call(y, bias(slot + 3).value(), tanh, y);
         return y;
       }
-      return onednn_linear().call(x, w(slot), bias(slot + 3), gelu ? "gelu" : "none", scalars,
-                               gelu ? (tanh ? "tanh" : "none") : "");
+      const auto call = [&](const at::Tensor& rows) {
+        return onednn_linear().call(rows, w(slot), bias(slot + 3), gelu ? "gelu" : "none", scalars,
+                                    gelu ? (tanh ? "tanh" : "none") : "");
+      };
+      const int64_t m = x.size(0), block = codes[kRowBlock];
+      if (kind != kOnednnRows || block <= 0 || block >= m) return call(x);
+      at::Tensor y;
+      for (int64_t start = 0; start < m; start += block) {
+        const int64_t rows = std::min(block, m - start);
+        const at::Tensor part = call(x.narrow(0, start, rows));
+        if (!y.defined()) y = empty({m, part.size(1)}, x.options());
+        y.narrow(0, start, rows).copy_(part);
+      }
+      return y;
     }
     const Rows q = rows != nullptr ? *rows : quantize(x);
     const at::Tensor& scale = w(slot + 1);
@@ -271,7 +286,7 @@ std::vector<at::Tensor> encoder_layer(const at::Tensor& x, const Opt& rows_q, co
               "batches only)");
   TORCH_CHECK(batch > 0 || cu_seqlens.has_value(), "encoder_layer: packed tokens (batch 0) need cu_seqlens");
   for (const int64_t code : {kQkvLinear, kOutLinear, kInLinear, kFfnLinear})
-    TORCH_CHECK(codes[code] >= 0 && codes[code] <= (codes[kInt8] ? kOnednnGemm : kOwnDense),
+    TORCH_CHECK(codes[code] >= 0 && codes[code] <= (codes[kInt8] ? kOnednnGemm : kOnednnRows),
                 "encoder_layer: a linear's code is out of range (Linear for float layers, Int8Gemm for int8)");
   const Layer layer{weights, codes, batch, seq, eps};
   const at::ScalarType dtype = x.scalar_type();

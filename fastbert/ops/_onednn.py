@@ -38,10 +38,18 @@ def pack(weight: torch.Tensor, rows_hint: int) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), max(rows_hint, 1))
 
 
-def linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str = "none"):
-    """activation(x2d @ weight.T + bias) for x2d [M, K] in one oneDNN call; `weight` [N, K] as
-    `pack` made it, or a plain tensor of any strides."""
+def linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str = "none",
+           row_block: int = 0):
+    """activation(x2d @ weight.T + bias) for x2d [M, K] in one oneDNN call (or one per `row_block` rows,
+    where that is fewer than M); `weight` [N, K] as `pack` made it, or a plain tensor of any strides."""
     attr, scalars, algorithm = POST_OPS[activation]
     # oneDNN reads the bias as a dense vector whatever its strides (a strided bias gave wrong sums).
     bias = None if bias is None else bias.contiguous()
-    return torch.ops.mkldnn._linear_pointwise(x2d, weight, bias, attr, scalars, algorithm)
+    rows = x2d.shape[0]
+    if not 0 < row_block < rows:
+        return torch.ops.mkldnn._linear_pointwise(x2d, weight, bias, attr, scalars, algorithm)
+    out = x2d.new_empty(rows, weight.shape[0])
+    for start in range(0, rows, row_block):
+        out[start:start + row_block] = torch.ops.mkldnn._linear_pointwise(
+            x2d[start:start + row_block], weight, bias, attr, scalars, algorithm)
+    return out

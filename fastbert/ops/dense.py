@@ -203,6 +203,18 @@ def onednn_reasons(facts) -> list[str]:
     return _onednn.missing() or _onednn.dtype_missing(facts.dtypes)
 
 
+ONEDNN_ROW_BLOCK = 256  # rows per oneDNN call in the onednn-rows variants (dense's, qkv_projection's)
+
+
+def onednn_rows(x, weight, bias, activation, prepared, pair=ONEDNN):
+    """oneDNN's linear one block of ONEDNN_ROW_BLOCK rows at a time (eager inference; otherwise as _cpu):
+    on a Xeon with AMX oneDNN ran bf16 1024 x 3072 -> 768 at ~1100 GFLOP/s in one call and ~1970 in blocks
+    of 256, while 2048 rows ran fastest whole (benchmarks/RESULTS.md); tuning measures which wins where."""
+    if activation != "none" and bias is not None and needs_grad(x, weight, bias):
+        return _cpu(x, weight, bias, activation, prepared)
+    return onednn_linear(x, weight, bias, activation, prepared, pair, ONEDNN_ROW_BLOCK)
+
+
 def torch_linear(x, weight, bias, activation="none"):
     """torch's own linear (MKL or oneDNN, as torch picks) and GELU: the built-in that dense replaces."""
     y = torch.nn.functional.linear(x, weight, bias)
@@ -265,18 +277,19 @@ dispatch.register_variants("dense", "cpu", (
     dispatch.Variant("onednn-fp32", upcast_linear, upcast_reasons),
     dispatch.Variant("torch", lambda x, weight, bias, activation, prepared: torch_linear(x, weight, bias, activation)),
     dispatch.Variant("fastbert", own_linear, own_reasons),
+    dispatch.Variant("onednn-rows", onednn_rows, onednn_reasons),
 ), lambda x, weight, bias, activation, prepared: (*linear_class(x, weight), activation))
 
 
-def onednn_linear(x, weight, bias, activation, prepared: PreparedWeights | None, pair=ONEDNN):
+def onednn_linear(x, weight, bias, activation, prepared: PreparedWeights | None, pair=ONEDNN, row_block=0):
     """The oneDNN linear (through `pair`, dense's onednn kernel pair or one built on its kernels); in eager
     calls with no autograd on the copy of `weight` that `prepared` (its owner's) keeps in oneDNN's
-    blocked layout."""
+    blocked layout, one call per `row_block` rows where that is given."""
     if prepared is None or entry(pair.forward, x, weight, bias) is not pair.forward.direct:
         return pair(x, weight, bias, activation)
     x2d = x.reshape(-1, x.shape[-1]).contiguous()
     blocked = prepared.get("onednn", (weight,), lambda w: _onednn.pack(w, x2d.shape[0]))
-    return _onednn.linear(x2d, blocked, bias, activation).view(*x.shape[:-1], weight.shape[0])
+    return _onednn.linear(x2d, blocked, bias, activation, row_block).view(*x.shape[:-1], weight.shape[0])
 
 
 # ---------------------------------------------------------------------- triton (GEMM + epilogue)
