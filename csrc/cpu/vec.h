@@ -154,6 +154,26 @@ inline VecF exp_fp32(const VecF& x) {
 #endif
 }
 
+// e^x within 1e-5 relative, far below bfloat16's rounding (2^-9): the bfloat16 softmax's exp, four
+// instructions fewer than at::vec's exp_u20. 2^t (t = x log2 e) as 2^n 2^f, n = round(t), |f| <= 1/2; 2^f
+// by a degree-4 polynomial (fit to relative error, 2.7e-6 at worst), times 2^n by scalef. The clamps keep n
+// finite (0 below -104, inf past 89) and let a NaN through, as in exp_fp32.
+inline VecF exp_bf16(const VecF& x) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512 xc = _mm512_min_ps(_mm512_set1_ps(89.f), _mm512_max_ps(_mm512_set1_ps(-104.f), x));
+  const __m512 t = _mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  static constexpr float c[] = {9.999992847e-01f, 6.931217909e-01f, 2.402474433e-01f, 5.591786280e-02f,
+                                9.570102207e-03f};
+  __m512 p = _mm512_set1_ps(c[4]);
+  for (int i = 3; i >= 0; --i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
+  return _mm512_scalef_ps(p, n);
+#else
+  return x.exp_u20();
+#endif
+}
+
 template <typename T>
 inline VecF erf_for(const VecF& x) {
   return std::is_same_v<T, float> ? erf_fp32(x) : erf_bf16(x);
