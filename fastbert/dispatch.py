@@ -643,7 +643,8 @@ def trusted(op: str, x: torch.Tensor, *flags) -> bool:
 # torch's built-in), each parity-tested like a backend. Which one runs is chosen per kind of call:
 # forced (use_variant(), FASTBERT_VARIANT_<OP>), else the fastest as measured once on this machine
 # (fastbert/tuning.py; FASTBERT_CPU_TUNE=0: no measuring), else the first that can serve (the static
-# default). Only eager calls measure; while tracing for torch.compile the static default is baked in.
+# default; a variant `preferred` on this CPU goes first). Only eager calls measure; while tracing for
+# torch.compile the static default is baked in.
 
 
 @dataclass(frozen=True)
@@ -651,6 +652,7 @@ class Variant:
     name: str
     fn: Callable
     reasons: Callable[[Facts], list[str]] | None = None  # why it cannot serve a call (machine or call facts)
+    preferred: Callable[[Facts], bool] | None = None  # the static default where true (by the CPU's features)
 
 
 @dataclass(frozen=True)
@@ -692,6 +694,7 @@ def usable_variants(op: str, backend: str, f: Facts) -> tuple[tuple[Variant, ...
         return (), {}
     why = {v.name: v.reasons(f) for v in table.options if v.reasons is not None}
     usable = tuple(v for v in table.options if not why.get(v.name))
+    usable = tuple(sorted(usable, key=lambda v: not (v.preferred is not None and v.preferred(f))))  # (stable)
     forced = forced_variant(op)
     if forced is not None:
         name, where = forced

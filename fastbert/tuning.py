@@ -58,6 +58,12 @@ def cpu() -> dict:
     return {"model": model, "features": [f for f in ISA_FEATURES if f in flags]}
 
 
+@functools.lru_cache(maxsize=None)
+def cpu_features() -> frozenset[str]:
+    """cpu()'s features, read once."""
+    return frozenset(cpu()["features"])
+
+
 _CACHES = "/sys/devices/system/cpu/cpu0/cache"
 
 

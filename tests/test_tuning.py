@@ -10,7 +10,7 @@ import torch
 import fastbert
 from fastbert import dispatch, ops, tuning
 from fastbert.testing import assert_close
-from grids import skip_unless_runnable
+from grids import skip_unless_runnable, skip_unless_variant
 
 
 @pytest.fixture
@@ -218,3 +218,20 @@ def test_compiling_never_measures(tuned, monkeypatch):
     compiled = torch.compile(lambda a: ops.dense(a, w, None), backend="eager", fullgraph=True)
     with torch.no_grad():
         assert_close(compiled(x), x.double() @ w.double().T, torch.float32, "matmul")
+
+
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "no-amx"])
+def test_the_static_default_follows_the_cpus_features(monkeypatch, amx):
+    """With measuring off, bfloat16 attention runs on brgemm where the CPU has AMX (the variant it prefers),
+    on the C++ kernel elsewhere (the first registered)."""
+    skip_unless_variant("attention", "brgemm", torch.bfloat16)
+    monkeypatch.setenv("FASTBERT_CPU_TUNE", "0")
+    monkeypatch.setattr(tuning, "cpu_features", lambda: frozenset({"amx_tile", "amx_bf16"} if amx else ()))
+    dispatch._choices.clear()
+    q, k, v = (torch.randn(2, 2, 8, 16).to(torch.bfloat16) for _ in range(3))
+    try:
+        with torch.inference_mode(), dispatch.record() as calls:
+            ops.attention(q, k, v)
+    finally:
+        dispatch._choices.clear()  # (chosen under the patched features)
+    assert [(c.op, c.variant) for c in calls] == [("attention", "brgemm" if amx else "fastbert")]

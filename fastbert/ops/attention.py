@@ -5,7 +5,7 @@ import functools
 
 import torch
 
-from fastbert import dispatch
+from fastbert import dispatch, tuning
 from fastbert.ops import _alloc, _checks, reference
 from fastbert.ops._op import OpSpec, by_device
 from fastbert.ops._seed import dropout_seed, seed_int
@@ -210,6 +210,12 @@ def _brgemm_reasons(f: dispatch.Facts) -> list[str]:
     return list(_brgemm_machine_reasons())
 
 
+def _on_amx(f: dispatch.Facts) -> bool:
+    """brgemm's static default: where oneDNN runs it on AMX tiles (on a Xeon with AMX 2.2-2.8x the C++
+    kernel's bf16 forward, 1.6-1.9x forward + backward, and at least level with torch's SDPA: RESULTS.md)."""
+    return "amx_bf16" in tuning.cpu_features()
+
+
 MAX_HEAD_DIM = 128  # the triton and cuda kernels' widest head
 
 
@@ -249,12 +255,12 @@ def _varlen_class(q, k, v, cu_seqlens, max_seqlen, *_):
 dispatch.register_variants("attention", "cpu", (
     dispatch.Variant("fastbert", _cxx),
     dispatch.Variant("torch", _torch_sdpa, _sdpa_reasons),
-    dispatch.Variant("brgemm", functools.partial(_cxx, pair=BRGEMM), _brgemm_reasons),
+    dispatch.Variant("brgemm", functools.partial(_cxx, pair=BRGEMM), _brgemm_reasons, _on_amx),
 ), _attention_class)
 dispatch.register("varlen_attention", "cpu", _CPU_SUPPORT)(_cxx_varlen)
 dispatch.register_variants("varlen_attention", "cpu", (
     dispatch.Variant("fastbert", _cxx_varlen),
-    dispatch.Variant("brgemm", functools.partial(_cxx_varlen, pair=BRGEMM), _brgemm_reasons),
+    dispatch.Variant("brgemm", functools.partial(_cxx_varlen, pair=BRGEMM), _brgemm_reasons, _on_amx),
 ), _varlen_class)
 dispatch.register("attention", "cuda", _CUDA_SUPPORT, _head_dim_reasons)(_cxx)
 dispatch.register("varlen_attention", "cuda", _CUDA_SUPPORT, _head_dim_reasons)(_cxx_varlen)
