@@ -163,9 +163,10 @@ def test_cpu_bf16_multiplies_bf16_pairs(monkeypatch):
     outs = {}
     for dot in ("1", "0"):
         monkeypatch.setenv("FASTBERT_CPU_BF16_DOT", dot)
-        with dispatch.use_backend("cpu"), dispatch.record() as calls:
+        with dispatch.use_backend("cpu"), dispatch.use_variant("attention", "fastbert"), dispatch.record() as calls:
             outs[dot] = ops.attention(q, k, v, mask)
         assert_ran(calls, "attention", "cpu")
+        assert [c.variant for c in calls] == ["fastbert"]  # (not brgemm, the static default on AMX)
     assert not torch.equal(outs["1"], outs["0"])
 
 
