@@ -61,6 +61,8 @@ TORCH_LIBRARY(fastbert_C, m) {
   m.def("dense_gemm(Tensor x, Tensor packed, int n, int k, Tensor? bias, int activation, int isa, "
         "Tensor(a!) out) -> ()");
   m.def("dense_isa_supported(int isa, ScalarType dtype) -> bool");  // whether dense_gemm runs so here
+  // torch's oneDNN linear (mkldnn::_linear_pointwise, its arguments) on each thread's share of the rows.
+  m.def("dense_onednn_rows(Tensor x, Tensor weight, Tensor? bias, str attr, str? algorithm, Tensor(a!) out) -> ()");
   // Inference, CPU: one encoder layer in one call (csrc/cpu/encoder_layer.cpp; fastbert/ops/encoder_layer.py).
   m.def("encoder_layer(Tensor x, Tensor? rows_q, Tensor? rows_scale, Tensor? rows_zero_point, Tensor? key_mask, "
         "Tensor? cu_seqlens, int batch, int seq, Tensor?[] weights, int[] codes, float eps, bool quantize_output) "

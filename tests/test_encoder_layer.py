@@ -98,8 +98,6 @@ def test_float_layers_in_one_call_equal_op_by_op(monkeypatch, choice, dtype, sha
         pytest.skip("brgemm attention is bfloat16 only")
     if choice == "own-gemm" and not torch.ops.fastbert_C.dense_isa_supported(2, torch.bfloat16 if dtype == "bf16" else torch.float32):
         pytest.skip("this CPU lacks the own GEMM's AVX-512 tiles: dispatch never picks it")
-    if choice == "onednn-rows":  # blocks of 8 rows: the small batches here run 2 to 5 of them
-        monkeypatch.setattr(importlib.import_module("fastbert.ops.dense"), "ONEDNN_ROW_BLOCK", 8)
     choose(monkeypatch, FLOAT_CHOICES[choice])
     runs = Runs(monkeypatch)
     recorded = check_one_call_equals_op_by_op(model_of(dtype), *inputs(shape), runs)
@@ -177,9 +175,9 @@ def test_attention_probabilities_run_op_by_op(monkeypatch):
 def test_bad_arguments_are_refused_by_name():
     x = torch.randn(4, 8)
     with pytest.raises(RuntimeError, match="20 weight slots"):
-        torch.ops.fastbert_C.encoder_layer(x, None, None, None, None, None, 0, 0, [], [0] * 11, 1e-12, False)
+        torch.ops.fastbert_C.encoder_layer(x, None, None, None, None, None, 0, 0, [], [0] * 10, 1e-12, False)
     with pytest.raises(RuntimeError, match="contiguous"):
-        torch.ops.fastbert_C.encoder_layer(x.t(), None, None, None, None, None, 0, 0, [None] * 20, [0] * 11, 1e-12,
+        torch.ops.fastbert_C.encoder_layer(x.t(), None, None, None, None, None, 0, 0, [None] * 20, [0] * 10, 1e-12,
                                            False)
 
 

@@ -21,16 +21,14 @@ namespace {
 
 // codes: int8 or float; heads; attention's variant (Attention below); for each linear (QKV, output,
 // FFN in, FFN out) how it ran (Linear or Int8Gemm below); GELU's form (1 erf, 2 tanh); the bytes that
-// quantized_dense's blocks of rows fill (_cache_bytes); rows per oneDNN call of kOnednnRows linears
-// (dense.ONEDNN_ROW_BLOCK); whether to NaN-fill outputs (as fastbert's tests do).
+// quantized_dense's blocks of rows fill (_cache_bytes); whether to NaN-fill outputs (as fastbert's tests do).
 enum Code : int64_t {
-  kInt8, kHeads, kAttention, kQkvLinear, kOutLinear, kInLinear, kFfnLinear, kActivation, kCacheBytes, kRowBlock,
-  kPoison, kCodes
+  kInt8, kHeads, kAttention, kQkvLinear, kOutLinear, kInLinear, kFfnLinear, kActivation, kCacheBytes, kPoison, kCodes
 };
 // dense's variants (and qkv_projection's onednn, torch and fastbert): oneDNN's packed GEMM with bias and
 // GELU as post-ops; the same without them, then fastbert's bias_gelu kernel in place; torch's F.linear and
 // F.gelu; fastbert's own float32 / bfloat16 GEMM (float_gemm.h) with both in its epilogue; oneDNN's
-// GEMM one block of codes[kRowBlock] rows at a time.
+// GEMM on each thread's share of the rows (dense_onednn_rows).
 enum Linear : int64_t { kOnednn, kOnednnThenBiasGelu, kTorch, kOwnDense, kOnednnRows };
 // quantized_dense's variants: fastbert's own GEMM (int8_gemm.h), oneDNN's u8 x s8 GEMM.
 enum Int8Gemm : int64_t { kOwnGemm, kOnednnGemm };
@@ -65,6 +63,8 @@ using QlinearFn = at::Tensor(at::Tensor, double, int64_t, at::Tensor, at::Tensor
                              std::optional<at::ScalarType>, std::string_view, c10::List<std::optional<at::Scalar>>,
                              std::string_view);
 using DenseGemmFn = void(const at::Tensor&, const at::Tensor&, int64_t, int64_t, const Opt&, int64_t, int64_t, Out);
+using DenseOnednnRowsFn = void(const at::Tensor&, const at::Tensor&, const Opt&, std::string_view,
+                               std::optional<std::string_view>, Out);
 using Int8MatmulFn = void(const at::Tensor&, const at::Tensor&, int64_t, int64_t, const at::Tensor&, int64_t, Out);
 using Int8MatmulDequantizeFn = void(const at::Tensor&, const at::Tensor&, int64_t, int64_t, const at::Tensor&,
                                     const at::Tensor&, const at::Tensor&, const at::Tensor&, const Opt&, int64_t,
@@ -94,6 +94,8 @@ struct Ops {
   c10::TypedOperatorHandle<RequantizeRowsFn> requantize_rows = find<RequantizeRowsFn>("fastbert_C::requantize_rows");
   c10::TypedOperatorHandle<DequantizeRowsFn> dequantize_rows = find<DequantizeRowsFn>("fastbert_C::dequantize_rows");
   c10::TypedOperatorHandle<DenseGemmFn> dense_gemm = find<DenseGemmFn>("fastbert_C::dense_gemm");
+  c10::TypedOperatorHandle<DenseOnednnRowsFn> dense_onednn_rows =
+      find<DenseOnednnRowsFn>("fastbert_C::dense_onednn_rows");
   c10::TypedOperatorHandle<Int8MatmulFn> int8_matmul = find<Int8MatmulFn>("fastbert_C::int8_matmul");
   c10::TypedOperatorHandle<Int8MatmulDequantizeFn> int8_matmul_dequantize =
       find<Int8MatmulDequantizeFn>("fastbert_C::int8_matmul_dequantize");
@@ -158,20 +160,14 @@ struct Layer {
         ops().bias_gelu.call(y, bias(slot + 3).value(), tanh, y);
         return y;
       }
-      const auto call = [&](const at::Tensor& rows) {
-        return onednn_linear().call(rows, w(slot), bias(slot + 3), gelu ? "gelu" : "none", scalars,
-                                    gelu ? (tanh ? "tanh" : "none") : "");
-      };
-      const int64_t m = x.size(0), block = codes[kRowBlock];
-      if (kind != kOnednnRows || block <= 0 || block >= m) return call(x);
-      at::Tensor y;
-      for (int64_t start = 0; start < m; start += block) {
-        const int64_t rows = std::min(block, m - start);
-        const at::Tensor part = call(x.narrow(0, start, rows));
-        if (!y.defined()) y = empty({m, part.size(1)}, x.options());
-        y.narrow(0, start, rows).copy_(part);
+      const char* attr = gelu ? "gelu" : "none";
+      const char* algorithm = gelu ? (tanh ? "tanh" : "none") : "";
+      if (kind == kOnednnRows) {  // n: the bias's (all of a layer's linears have one)
+        at::Tensor y = empty({x.size(0), bias(slot + 3)->size(0)}, x.options());
+        ops().dense_onednn_rows.call(x, w(slot), bias(slot + 3), attr, algorithm, y);
+        return y;
       }
-      return y;
+      return onednn_linear().call(x, w(slot), bias(slot + 3), attr, scalars, algorithm);
     }
     const Rows q = rows != nullptr ? *rows : quantize(x);
     const at::Tensor& scale = w(slot + 1);

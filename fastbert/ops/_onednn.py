@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from fastbert.ops import _alloc
+
 POST_OPS = {"none": ("none", [None], ""), "gelu": ("gelu", [None], "none"), "gelu_tanh": ("gelu", [None], "tanh")}
 
 
@@ -39,17 +41,15 @@ def pack(weight: torch.Tensor, rows_hint: int) -> torch.Tensor:
 
 
 def linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str = "none",
-           row_block: int = 0):
-    """activation(x2d @ weight.T + bias) for x2d [M, K] in one oneDNN call (or one per `row_block` rows,
-    where that is fewer than M); `weight` [N, K] as `pack` made it, or a plain tensor of any strides."""
+           per_thread: bool = False):
+    """activation(x2d @ weight.T + bias) for x2d [M, K] in one oneDNN call over all threads, or with
+    `per_thread` one single-threaded call per thread on its share of the rows (fastbert._C's
+    dense_onednn_rows); `weight` [N, K] as `pack` made it, or a plain tensor of any strides."""
     attr, scalars, algorithm = POST_OPS[activation]
     # oneDNN reads the bias as a dense vector whatever its strides (a strided bias gave wrong sums).
     bias = None if bias is None else bias.contiguous()
-    rows = x2d.shape[0]
-    if not 0 < row_block < rows:
+    if not per_thread:
         return torch.ops.mkldnn._linear_pointwise(x2d, weight, bias, attr, scalars, algorithm)
-    out = x2d.new_empty(rows, weight.shape[0])
-    for start in range(0, rows, row_block):
-        out[start:start + row_block] = torch.ops.mkldnn._linear_pointwise(
-            x2d[start:start + row_block], weight, bias, attr, scalars, algorithm)
+    out = _alloc.empty((x2d.shape[0], weight.shape[0]), dtype=x2d.dtype, device=x2d.device)
+    torch.ops.fastbert_C.dense_onednn_rows(x2d, weight, bias, attr, algorithm, out)
     return out

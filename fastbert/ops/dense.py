@@ -203,16 +203,18 @@ def onednn_reasons(facts) -> list[str]:
     return _onednn.missing() or _onednn.dtype_missing(facts.dtypes)
 
 
-ONEDNN_ROW_BLOCK = 256  # rows per oneDNN call in the onednn-rows variants (dense's, qkv_projection's)
-
-
 def onednn_rows(x, weight, bias, activation, prepared, pair=ONEDNN):
-    """oneDNN's linear one block of ONEDNN_ROW_BLOCK rows at a time (eager inference; otherwise as _cpu):
-    on a Xeon with AMX oneDNN ran bf16 1024 x 3072 -> 768 at ~1100 GFLOP/s in one call and ~1970 in blocks
-    of 256, while 2048 rows ran fastest whole (benchmarks/RESULTS.md); tuning measures which wins where."""
+    """oneDNN's linear on each thread's share of the rows, one single-threaded call per thread (eager
+    inference; otherwise as _cpu): on a Xeon with AMX bf16 1024 x 3072 -> 768 ran at ~2100 GFLOP/s so and
+    ~1100 as one call over both threads, while 2048 rows ran fastest as one call (benchmarks/RESULTS.md);
+    tuning measures which wins where."""
     if activation != "none" and bias is not None and needs_grad(x, weight, bias):
         return _cpu(x, weight, bias, activation, prepared)
-    return onednn_linear(x, weight, bias, activation, prepared, pair, ONEDNN_ROW_BLOCK)
+    return onednn_linear(x, weight, bias, activation, prepared, pair, per_thread=True)
+
+
+def onednn_rows_reasons(facts) -> list[str]:
+    return onednn_reasons(facts) or list(dispatch.machine_reasons("cpu"))  # (a fastbert._C op)
 
 
 def torch_linear(x, weight, bias, activation="none"):
@@ -277,19 +279,19 @@ dispatch.register_variants("dense", "cpu", (
     dispatch.Variant("onednn-fp32", upcast_linear, upcast_reasons),
     dispatch.Variant("torch", lambda x, weight, bias, activation, prepared: torch_linear(x, weight, bias, activation)),
     dispatch.Variant("fastbert", own_linear, own_reasons),
-    dispatch.Variant("onednn-rows", onednn_rows, onednn_reasons),
+    dispatch.Variant("onednn-rows", onednn_rows, onednn_rows_reasons),
 ), lambda x, weight, bias, activation, prepared: (*linear_class(x, weight), activation))
 
 
-def onednn_linear(x, weight, bias, activation, prepared: PreparedWeights | None, pair=ONEDNN, row_block=0):
+def onednn_linear(x, weight, bias, activation, prepared: PreparedWeights | None, pair=ONEDNN, per_thread=False):
     """The oneDNN linear (through `pair`, dense's onednn kernel pair or one built on its kernels); in eager
     calls with no autograd on the copy of `weight` that `prepared` (its owner's) keeps in oneDNN's
-    blocked layout, one call per `row_block` rows where that is given."""
+    blocked layout (`per_thread`: as _onednn.linear's)."""
     if prepared is None or entry(pair.forward, x, weight, bias) is not pair.forward.direct:
         return pair(x, weight, bias, activation)
     x2d = x.reshape(-1, x.shape[-1]).contiguous()
     blocked = prepared.get("onednn", (weight,), lambda w: _onednn.pack(w, x2d.shape[0]))
-    return _onednn.linear(x2d, blocked, bias, activation, row_block).view(*x.shape[:-1], weight.shape[0])
+    return _onednn.linear(x2d, blocked, bias, activation, per_thread).view(*x.shape[:-1], weight.shape[0])
 
 
 # ---------------------------------------------------------------------- triton (GEMM + epilogue)

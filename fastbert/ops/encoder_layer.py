@@ -20,10 +20,8 @@ from fastbert import dispatch
 from fastbert.ops import _alloc
 from fastbert.ops.reference import QuantizedRows
 
-# The modules (in fastbert.ops those names are their functions): the one call's blocks of rows are
-# quantized_dense's rows_per_block's and dense's ONEDNN_ROW_BLOCK.
+# The module (in fastbert.ops that name is its function): the one call's blocks of rows are its rows_per_block's.
 _quantized_dense = importlib.import_module("fastbert.ops.quantized_dense")
-_dense = importlib.import_module("fastbert.ops.dense")
 
 ATTENTION = {"fastbert": 0, "brgemm": 1, "torch": 2}  # attention / varlen_attention variants -> Attention
 LINEARS = {"onednn": 0, "onednn+bias_gelu": 1, "torch": 2, "fastbert": 3, "onednn-rows": 4}  # dense's (and qkv_projection's) variants -> Linear
@@ -154,7 +152,7 @@ def program(layer, calls) -> LayerProgram | None:
     norm_params = [t for m in norm_modules for t in (m.weight, m.bias)]
     weights[8:10], weights[18:20] = (t.contiguous() for t in norm_params[:2]), (t.contiguous() for t in norm_params[2:])
     codes = [int(int8), self_attention.num_attention_heads, ATTENTION[variants[1]], *linears, activation,
-             _quantized_dense._cache_bytes() if int8 else 0, _dense.ONEDNN_ROW_BLOCK, 0]
+             _quantized_dense._cache_bytes() if int8 else 0, 0]
     return LayerProgram(settings, weights, codes, float(norms[0][3]), [*sources, *norm_params])
 
 

@@ -6,7 +6,7 @@ import torch
 from fastbert import dispatch
 from fastbert.ops import _alloc, _checks, reference
 from fastbert.ops.dense import (linear_backward_fake, linear_class, linear_input_grads, onednn_linear, onednn_pair_for,
-                                 onednn_reasons, onednn_rows, own_linear, own_pair_for, own_reasons, torch_linear, triton_linear_backward,
+                                 onednn_reasons, onednn_rows, onednn_rows_reasons, own_linear, own_pair_for, own_reasons, torch_linear, triton_linear_backward,
                                  upcast_linear, upcast_reasons)
 from fastbert.ops._op import OpSpec
 from fastbert.ops.prepared import PreparedWeights
@@ -58,7 +58,7 @@ dispatch.register_variants("qkv_projection", "cpu", (
     dispatch.Variant("fastbert", lambda x, weight, bias, num_heads, prepared: head_major(
         own_linear(x, weight, bias, "none", prepared, OWN), num_heads), own_reasons),
     dispatch.Variant("onednn-rows", lambda x, weight, bias, num_heads, prepared: head_major(
-        onednn_rows(x, weight, bias, "none", prepared, ONEDNN), num_heads), onednn_reasons),
+        onednn_rows(x, weight, bias, "none", prepared, ONEDNN), num_heads), onednn_rows_reasons),
 ), lambda x, weight, *_: linear_class(x, weight))
 
 

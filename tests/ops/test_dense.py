@@ -1,6 +1,4 @@
 """dense: x @ weight.T + bias with a fused GELU epilogue, on every backend against the float64 reference."""
-import importlib
-
 import pytest
 import torch
 
@@ -12,8 +10,6 @@ from fastbert.testing import assert_close, assert_ran, poison_outputs, upcast
 from grids import skip_unless_runnable, skip_unless_variant
 from harness import (HIDDEN, INNER, SEEDS, SMALL_HIDDEN, Case, OpCheck, Spec, bad_input_test, opcheck_test,
                      parity_tests, randn, st, variant_parity_test)
-
-dense_module = importlib.import_module("fastbert.ops.dense")  # (fastbert.ops.dense is the function)
 
 ACTIVATIONS = [dict(activation="none", approximate="none"), dict(activation="gelu", approximate="none"),
                dict(activation="gelu", approximate="tanh")]
@@ -221,20 +217,27 @@ def test_own_gemm_bad_input_is_named(call, message):
         call()
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_onednn_rows_runs_blocks_of_rows(monkeypatch, dtype):
-    """The onednn-rows variant in eager inference: one oneDNN call per block of rows (the last one short),
-    written into one output, equal to the reference; recorded as what ran."""
+def test_onednn_rows_gives_each_thread_its_rows(dtype, threads):
+    """The onednn-rows variant in eager inference: each thread's share of the rows (the last one short) by
+    its own oneDNN call, into one poisoned output, equal to the reference; recorded as what ran."""
     skip_unless_variant("dense", "onednn-rows", dtype, gelu=True)
-    monkeypatch.setattr(dense_module, "ONEDNN_ROW_BLOCK", 8)
-    calls_made = []
-    real = torch.ops.mkldnn._linear_pointwise
-    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *rest: calls_made.append(x.shape[0]) or real(x, *rest))
-    x, weight = randn(19, 32, dtype=dtype, device="cpu"), randn(24, 32, dtype=dtype, device="cpu", scale=32**-0.5)
+    x, weight = randn(37, 32, dtype=dtype, device="cpu"), randn(24, 32, dtype=dtype, device="cpu", scale=32**-0.5)
     bias = randn(24, dtype=dtype, device="cpu")
-    with torch.no_grad(), poison_outputs(), dispatch.use_variant("dense", "onednn-rows"), dispatch.record() as calls:
-        out = ops.dense(x, weight, bias, "gelu", prepared=PreparedWeights())
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad(), poison_outputs(), dispatch.use_variant("dense", "onednn-rows"), dispatch.record() as calls:
+            out = ops.dense(x, weight, bias, "gelu", prepared=PreparedWeights())
+    finally:
+        torch.set_num_threads(before)
     assert_ran(calls, "dense", "cpu")
     assert [c.variant for c in calls] == ["onednn-rows"]
-    assert calls_made == [8, 8, 3]
     assert_close(out, reference.dense(*upcast(x, weight, bias), "gelu", "none"), dtype, "matmul")
+
+
+def test_onednn_rows_refuses_a_wrong_out():
+    with pytest.raises(RuntimeError, match="dense_onednn_rows: out must be an \\[m, n\\] tensor of x's dtype"):
+        torch.ops.fastbert_C.dense_onednn_rows(torch.zeros(4, 8), torch.zeros(5, 8), None, "none", "",
+                                               torch.empty(3, 5))
