@@ -205,7 +205,7 @@ def test_info_lists_variants_and_measurements(tuned):
     # A variant some dtype or CPU cannot use says so in parentheses ("onednn (fp32 only)" on AVX2).
     dense = next(line for line in text.splitlines() if line.strip().startswith("dense: "))
     assert re.fullmatch(r"dense: onednn( \(.*?\))?, onednn\+bias_gelu( \(.*?\))?, onednn-fp32 \(.*?\), torch, "
-                        r"fastbert( \(.*?\))?, onednn-rows( \(.*?\))?",
+                        r"fastbert( \(.*?\))?, onednn-rows( \(.*?\))?, onednn\+torch_backward( \(.*?\))?",
                         dense.strip()), dense
     assert "attention: fastbert, torch" in text
     assert "dense cpu float32 infer m4 k16 n8 none" in text

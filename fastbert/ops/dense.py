@@ -91,14 +91,15 @@ def _onednn_forward(x, weight, bias, activation):
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
-def _onednn_backward(grad, x, weight, bias, activation):
+def _onednn_backward(grad, x, weight, bias, activation, float32_on_onednn=True):
     g2d, x2d = grad.reshape(-1, weight.shape[0]).contiguous(), x.reshape(-1, x.shape[-1]).contiguous()
     if activation != "none":  # training normally saves the pre-activation (see _cpu); this recomputes it
         z = _onednn.linear(x2d, weight, bias, "none")
         g2d, _ = bias_gelu_cxx.backward(g2d, z, torch.zeros_like(weight[:, 0]), approximation(activation))
-    if x.dtype == torch.float32 and x2d.shape[0] > 0:
+    if x.dtype == torch.float32 and x2d.shape[0] > 0 and float32_on_onednn:
         # g @ W and g^T @ x as oneDNN linears over transposed views (oneDNN copies a transposed input
-        # first): in float32 faster than torch's matmul (MKL) where oneDNN's GEMM is (benchmarks/RESULTS.md).
+        # first): in float32 1.8x torch's matmul (MKL) on a Zen 5, 0.5-0.9x on a Xeon with AMX
+        # (benchmarks/RESULTS.md): the onednn+torch_backward variant is the other choice.
         grad_x = _onednn.linear(g2d, weight.contiguous().t(), None)
         grad_weight = _onednn.linear(g2d.t(), x2d.t(), None)
     else:  # bfloat16: torch's matmul is oneDNN already, and faster in this form
@@ -113,6 +114,19 @@ ONEDNN = SPEC.kernels("onednn", _onednn_forward, _onednn_backward, "cpu")
 def onednn_pair_for(op: str):
     """dense's onednn kernels as another op's pair (fastbert::<op>_onednn), so its backward records `op`."""
     return dataclasses.replace(SPEC, name=op).kernels("onednn", _onednn_forward, _onednn_backward, "cpu")
+
+
+def _torch_backward(grad, x, weight, bias, activation):
+    return _onednn_backward(grad, x, weight, bias, activation, float32_on_onednn=False)
+
+
+def onednn_torch_backward_pair_for(op: str):
+    """oneDNN's forward with the backward's GEMMs on torch's matmul (MKL in float32), as `op`'s pair
+    (fastbert::<op>_onednn_torch_bwd)."""
+    return dataclasses.replace(SPEC, name=op).kernels("onednn_torch_bwd", _onednn_forward, _torch_backward, "cpu")
+
+
+ONEDNN_TORCH_BACKWARD = onednn_torch_backward_pair_for("dense")
 
 
 # ------------------------------------- fastbert: the own float32 / bfloat16 GEMM (csrc/cpu/float_gemm.h)
@@ -213,6 +227,22 @@ def onednn_rows(x, weight, bias, activation, prepared, pair=ONEDNN):
     return onednn_linear(x, weight, bias, activation, prepared, pair, per_thread=True)
 
 
+def onednn_torch_backward(x, weight, bias, activation, prepared, pair=ONEDNN_TORCH_BACKWARD):
+    """Training: oneDNN's forward, the backward's float32 GEMMs on torch's matmul (MKL) instead of oneDNN's
+    (on a Xeon with AMX MKL ran them 1.1-2.3x faster, on a Zen 5 oneDNN 1.8x: benchmarks/RESULTS.md).
+    Inference is the onednn variant's."""
+    if not needs_grad(x, weight, bias):
+        return onednn_linear(x, weight, bias, activation, prepared, pair)
+    if activation != "none" and bias is not None:
+        return bias_gelu_cxx(pair(x, weight, None, "none"), bias, approximation(activation))
+    return pair(x, weight, bias, activation)
+
+
+def float32_training_reasons(facts) -> list[str]:
+    """onednn+torch_backward's: oneDNN's, and float32 only (a bfloat16 backward is on torch's matmul already)."""
+    return onednn_reasons(facts) or ([] if facts.dtypes == (torch.float32,) else ["float32 only"])
+
+
 def onednn_rows_reasons(facts) -> list[str]:
     return onednn_reasons(facts) or list(dispatch.machine_reasons("cpu"))  # (a fastbert._C op)
 
@@ -280,6 +310,7 @@ dispatch.register_variants("dense", "cpu", (
     dispatch.Variant("torch", lambda x, weight, bias, activation, prepared: torch_linear(x, weight, bias, activation)),
     dispatch.Variant("fastbert", own_linear, own_reasons),
     dispatch.Variant("onednn-rows", onednn_rows, onednn_rows_reasons),
+    dispatch.Variant("onednn+torch_backward", onednn_torch_backward, float32_training_reasons),
 ), lambda x, weight, bias, activation, prepared: (*linear_class(x, weight), activation))
 
 

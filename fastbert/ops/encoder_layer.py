@@ -24,10 +24,12 @@ from fastbert.ops.reference import QuantizedRows
 _quantized_dense = importlib.import_module("fastbert.ops.quantized_dense")
 
 ATTENTION = {"fastbert": 0, "brgemm": 1, "torch": 2}  # attention / varlen_attention variants -> Attention
-LINEARS = {"onednn": 0, "onednn+bias_gelu": 1, "torch": 2, "fastbert": 3, "onednn-rows": 4}  # dense's (and qkv_projection's) variants -> Linear
+LINEARS = {"onednn": 0, "onednn+bias_gelu": 1, "torch": 2, "fastbert": 3, "onednn-rows": 4,
+           "onednn+torch_backward": 0}  # (inference: onednn's calls)  # dense's (and qkv_projection's) variants -> Linear
 INT8_GEMMS = {"fastbert": 0, "onednn": 1}  # quantized_dense's variants -> Int8Gemm
 ACTIVATIONS = {("gelu", "none"): 1, ("gelu", "tanh"): 2}
-PACKED = {"onednn": "onednn", "onednn+bias_gelu": "onednn", "fastbert": "own_packed", "onednn-rows": "onednn"}  # a Linear's prepared copy
+PACKED = {"onednn": "onednn", "onednn+bias_gelu": "onednn", "fastbert": "own_packed", "onednn-rows": "onednn",
+          "onednn+torch_backward": "onednn"}  # a Linear's prepared copy
 
 
 class _NotKept(LookupError):

@@ -5,9 +5,10 @@ import torch
 
 from fastbert import dispatch
 from fastbert.ops import _alloc, _checks, reference
-from fastbert.ops.dense import (linear_backward_fake, linear_class, linear_input_grads, onednn_linear, onednn_pair_for,
-                                 onednn_reasons, onednn_rows, onednn_rows_reasons, own_linear, own_pair_for, own_reasons, torch_linear, triton_linear_backward,
-                                 upcast_linear, upcast_reasons)
+from fastbert.ops.dense import (float32_training_reasons, linear_backward_fake, linear_class, linear_input_grads,
+                                onednn_linear, onednn_pair_for, onednn_reasons, onednn_rows, onednn_rows_reasons,
+                                onednn_torch_backward, onednn_torch_backward_pair_for, own_linear, own_pair_for,
+                                own_reasons, torch_linear, triton_linear_backward, upcast_linear, upcast_reasons)
 from fastbert.ops._op import OpSpec
 from fastbert.ops.prepared import PreparedWeights
 
@@ -41,6 +42,7 @@ def _reference(x, weight, bias, num_heads, prepared):
 # -------------------------------------------- cpu: dense's oneDNN kernels, q/k/v as views of their output
 
 ONEDNN = onednn_pair_for("qkv_projection")
+ONEDNN_TORCH_BACKWARD = onednn_torch_backward_pair_for("qkv_projection")
 OWN = own_pair_for("qkv_projection")
 
 
@@ -59,6 +61,9 @@ dispatch.register_variants("qkv_projection", "cpu", (
         own_linear(x, weight, bias, "none", prepared, OWN), num_heads), own_reasons),
     dispatch.Variant("onednn-rows", lambda x, weight, bias, num_heads, prepared: head_major(
         onednn_rows(x, weight, bias, "none", prepared, ONEDNN), num_heads), onednn_rows_reasons),
+    dispatch.Variant("onednn+torch_backward", lambda x, weight, bias, num_heads, prepared: head_major(
+        onednn_torch_backward(x, weight, bias, "none", prepared, ONEDNN_TORCH_BACKWARD), num_heads),
+        float32_training_reasons),
 ), lambda x, weight, *_: linear_class(x, weight))
 
 

@@ -47,6 +47,7 @@ def _rand(*shape):
 OPCHECKS = [
     OpCheck("cpu", "qkv_projection_onednn", lambda: (_rand(2, 3, 8), _rand(24, 8), _rand(24), "none")),
     OpCheck("cpu", "qkv_projection_fastbert", lambda: (_rand(2, 3, 8), _rand(24, 8), _rand(24), "none")),
+    OpCheck("cpu", "qkv_projection_onednn_torch_bwd", lambda: (_rand(2, 3, 8), _rand(24, 8), _rand(24), "none")),
     OpCheck("triton", "qkv_projection_triton", lambda: (_rand(2, 5, 32), _rand(96, 32), _rand(96), 4)),
     OpCheck("triton", "qkv_projection_triton", lambda: (_rand(7, 32), _rand(96, 32), _rand(96), 2)),
     OpCheck("triton", "qkv_projection_triton_backward",
