@@ -220,14 +220,16 @@ def test_own_gemm_bad_input_is_named(call, message):
         call()
 
 
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_onednn_rows_gives_each_thread_its_rows(dtype, threads):
+def test_onednn_rows_gives_each_thread_its_rows(dtype, threads, with_bias):
     """The onednn-rows variant in eager inference: each thread's share of the rows (the last one short) by
-    its own oneDNN call, into one poisoned output, equal to the reference; recorded as what ran."""
+    its own oneDNN call, GELU by oneDNN's post-op or (with a bias) by the bias_gelu kernel, into one poisoned
+    output, equal to the reference; recorded as what ran."""
     skip_unless_variant("dense", "onednn-rows", dtype, gelu=True)
     x, weight = randn(37, 32, dtype=dtype, device="cpu"), randn(24, 32, dtype=dtype, device="cpu", scale=32**-0.5)
-    bias = randn(24, dtype=dtype, device="cpu")
+    bias = randn(24, dtype=dtype, device="cpu") if with_bias else None
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
