@@ -98,7 +98,7 @@ using BiasGeluFn = void(const at::Tensor&, const at::Tensor&, bool, const at::Te
 // runs serially inside a parallel region), written into out. On a Xeon with AMX this ran bf16 1024 x 768
 // -> 768 at ~2400 GFLOP/s against ~1300 for one call over all threads (benchmarks/RESULTS.md). A GELU with
 // a bias runs as fastbert's bias_gelu kernel on the thread's rows while they are in cache, written straight
-// into out (2.45 ms against 2.63 with oneDNN's post-op for bf16 1024 x 768 -> 3072 there).
+// into out (2.44 ms against 2.63 with oneDNN's post-op for bf16 1024 x 768 -> 3072 there).
 void dense_onednn_rows(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                        std::string_view attr, std::optional<std::string_view> algorithm, const at::Tensor& out) {
   static const auto linear =

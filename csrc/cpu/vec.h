@@ -154,8 +154,8 @@ inline VecF exp_fp32(const VecF& x) {
 #endif
 }
 
-// e^x within 1e-5 relative, far below bfloat16's rounding (2^-9): the bfloat16 softmax's exp, four
-// instructions fewer than at::vec's exp_u20. 2^t (t = x log2 e) as 2^n 2^f, n = round(t), |f| <= 1/2; 2^f
+// e^x within 1e-5 relative, far below bfloat16's rounding (2^-9): the bfloat16 softmax's exp, inline and
+// cheaper than at::vec's exp_u20 (2-5% off a bf16 attention forward: RESULTS.md). 2^t (t = x log2 e) as 2^n 2^f, n = round(t), |f| <= 1/2; 2^f
 // by a degree-4 polynomial (fit to relative error, 2.7e-6 at worst), times 2^n by scalef. The clamps keep n
 // finite (0 below -104, inf past 89) and let a NaN through, as in exp_fp32.
 inline VecF exp_bf16(const VecF& x) {

@@ -211,7 +211,7 @@ def _brgemm_reasons(f: dispatch.Facts) -> list[str]:
 
 
 def _on_amx(f: dispatch.Facts) -> bool:
-    """brgemm's static default: where oneDNN runs it on AMX tiles (on a Xeon with AMX 2.2-2.8x the C++
+    """brgemm's static default: where oneDNN runs it on AMX tiles (on a Xeon with AMX 2.2-3.1x the C++
     kernel's bf16 forward, 1.6-1.9x forward + backward, and at least level with torch's SDPA: RESULTS.md)."""
     return "amx_bf16" in tuning.cpu_features()
 

@@ -190,10 +190,15 @@ def own_reasons(facts) -> list[str]:
 
 @dispatch.register("dense", "cpu", dispatch.Support(("cpu",), (torch.float32, torch.bfloat16)))
 def _cpu(x, weight, bias, activation, prepared):
+    return onednn_dense(x, weight, bias, activation, prepared)
+
+
+def onednn_dense(x, weight, bias, activation, prepared, pair=ONEDNN, per_thread=False):
+    """dense on oneDNN's kernel `pair`: onednn_linear, except where training needs the pre-activation."""
     if activation != "none" and bias is not None and needs_grad(x, weight, bias):
         # Keep the pre-activation for backward: GEMM, then the bias_gelu kernel (saves x + bias's input).
-        return bias_gelu_cxx(ONEDNN(x, weight, None, "none"), bias, approximation(activation))
-    return onednn_linear(x, weight, bias, activation, prepared)
+        return bias_gelu_cxx(pair(x, weight, None, "none"), bias, approximation(activation))
+    return onednn_linear(x, weight, bias, activation, prepared, pair, per_thread)
 
 
 def bias_gelu_in_place(y, bias, activation):
@@ -222,20 +227,14 @@ def onednn_rows(x, weight, bias, activation, prepared, pair=ONEDNN):
     inference; otherwise as _cpu): on a Xeon with AMX bf16 1024 x 3072 -> 768 ran at ~2100 GFLOP/s so and
     ~1100 as one call over both threads, while 2048 rows ran fastest as one call (benchmarks/RESULTS.md);
     tuning measures which wins where."""
-    if activation != "none" and bias is not None and needs_grad(x, weight, bias):
-        return _cpu(x, weight, bias, activation, prepared)
-    return onednn_linear(x, weight, bias, activation, prepared, pair, per_thread=True)
+    return onednn_dense(x, weight, bias, activation, prepared, pair, per_thread=True)
 
 
 def onednn_torch_backward(x, weight, bias, activation, prepared, pair=ONEDNN_TORCH_BACKWARD):
     """Training: oneDNN's forward, the backward's float32 GEMMs on torch's matmul (MKL) instead of oneDNN's
     (on a Xeon with AMX MKL ran them 1.1-2.3x faster, on a Zen 5 oneDNN 1.8x: benchmarks/RESULTS.md).
     Inference is the onednn variant's."""
-    if not needs_grad(x, weight, bias):
-        return onednn_linear(x, weight, bias, activation, prepared, pair)
-    if activation != "none" and bias is not None:
-        return bias_gelu_cxx(pair(x, weight, None, "none"), bias, approximation(activation))
-    return pair(x, weight, bias, activation)
+    return onednn_dense(x, weight, bias, activation, prepared, pair)
 
 
 def float32_training_reasons(facts) -> list[str]:
