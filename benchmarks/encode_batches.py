@@ -1,5 +1,5 @@
 """fastbert.encode on encode_speed.py's corpus (1000 texts, all-MiniLM-L6-v2): the 16384-token budget run
-in batches of the whole budget against the same budget in cache-sized batches (encode.cache_tokens),
+in batches of the whole budget against the same budget in forwards of the width encode.forward_tokens picks,
 alternating, medians of 5 rounds; the embeddings of both compared first.
 
     .venv/bin/python benchmarks/encode_batches.py [--dtype fp32|bf16|int8] [--rounds 5]
@@ -27,26 +27,26 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     model, tokenizer = ENCODE.load(minilm_dir(), args.dtype)
-    texts, cache_tokens = corpus(1000), ENCODE.cache_tokens
+    texts, forward_tokens = corpus(1000), ENCODE.forward_tokens
 
-    def run(cache_sized: bool):
-        ENCODE.cache_tokens = cache_tokens if cache_sized else (lambda model, device: None)
+    def run(narrower: bool):
+        ENCODE.forward_tokens = forward_tokens if narrower else (lambda model, device, budget: budget)
         try:
             start = time.perf_counter()
             out = fastbert.encode(model, texts, tokenizer, max_length=256)
             return time.perf_counter() - start, out
         finally:
-            ENCODE.cache_tokens = cache_tokens
+            ENCODE.forward_tokens = forward_tokens
 
-    whole, cached = run(False)[1], run(True)[1]
-    print(f"cache-sized batches: {cache_tokens(model, torch.device('cpu'))} tokens; "
-          f"max |difference| of the embeddings {float((whole - cached).abs().max()):.3g}")
+    whole, narrower = run(False)[1], run(True)[1]
+    print(f"forwards of {forward_tokens(model, torch.device('cpu'), 16384)} tokens; "
+          f"max |difference| of the embeddings {float((whole - narrower).abs().max()):.3g}")
     times = {False: [], True: []}
     for r in range(args.rounds):
-        for cache_sized in ((False, True) if r % 2 == 0 else (True, False)):
-            times[cache_sized].append(run(cache_sized)[0])
+        for narrower in ((False, True) if r % 2 == 0 else (True, False)):
+            times[narrower].append(run(narrower)[0])
     before, after = statistics.median(times[False]), statistics.median(times[True])
-    print(f"{args.dtype}: whole budget {len(texts) / before:.0f} texts/s, cache-sized {len(texts) / after:.0f} "
+    print(f"{args.dtype}: whole budget {len(texts) / before:.0f} texts/s, measured width {len(texts) / after:.0f} "
           f"texts/s: {before / after:.2f}x")
 
 

@@ -67,11 +67,10 @@ def token_budget_batches(lengths: list[int], batch_tokens: int) -> list[list[int
 
 
 def cache_tokens(model, device: torch.device) -> int | None:
-    """On a CPU, the most tokens a forward should take: those whose widest activation (the FFN's [tokens,
-    intermediate], in the dtype its GEMM writes) fits the last-level cache, as a power of two, at least 1024
-    (narrower GEMMs lose more than the cache saves). Wider batches stream every layer's activations through memory: MiniLM fp32 ran
-    1.46x faster at 4096 tokens than at 16384 (benchmarks/RESULTS.md). None on GPUs, or where the cache
-    size cannot be read."""
+    """On a CPU, the most tokens a forward should take by the cache size sysfs reports: those whose widest
+    activation (the FFN's [tokens, intermediate], in the dtype its GEMM writes) fits the last-level cache, as
+    a power of two, at least 1024 (narrower GEMMs lose more than the cache saves). forward_tokens' static
+    default. None on GPUs, or where the cache size cannot be read."""
     from fastbert import tuning
     from fastbert.ops.dense import gemm_output_dtype
 
@@ -82,6 +81,44 @@ def cache_tokens(model, device: torch.device) -> int | None:
     width = model.config.intermediate_size * torch.finfo(dtype).bits // 8
     fits = max(llc // width, 1024)
     return 1 << (fits.bit_length() - 1)
+
+
+SEQUENCE = 128  # tokens per sequence of forward_tokens' trial batches
+SMALLEST_FORWARD = 2048  # narrower batches lost to wider ones on every CPU measured (benchmarks/RESULTS.md)
+
+
+def forward_tokens(model, device: torch.device, budget: int) -> int:
+    """How many tokens (at most `budget`) one forward takes. On a CPU, wider batches stream every layer's
+    activations through memory once they leave the cache, and the cache a VM's sysfs reports need not be the
+    one it gets (a Xeon VM reporting 480 MiB of L3 ran MiniLM bf16 1.3x faster at 8192 tokens than at 16384):
+    so the first call times the model's first layer on `budget` random tokens, cut into forwards of each power
+    of two from SMALLEST_FORWARD up to the budget, and keeps the fastest, cached per machine (fastbert.tuning).
+    FASTBERT_CPU_TUNE=0: cache_tokens' rule. GPUs: the budget."""
+    from fastbert import padding, tuning
+
+    if device.type != "cpu":
+        return budget
+    if not tuning.enabled():
+        return min(budget, cache_tokens(model, device) or budget)
+    sizes = [SMALLEST_FORWARD << i for i in range(16) if SMALLEST_FORWARD << i <= budget]
+    if len(sizes) < 2:
+        return budget
+    layer, config = model.encoder.layer[0], model.config
+    key = (f"encode tokens cpu {next(model.parameters()).dtype} {type(layer.intermediate.dense).__name__} "
+           f"h{config.hidden_size} i{config.intermediate_size} heads{config.num_attention_heads} to{sizes[-1]}")
+
+    def trial(size: int):
+        def run():
+            for part in x.split(size):
+                mask = torch.ones(part.shape[0] // SEQUENCE, SEQUENCE, dtype=torch.bool)
+                layer(part, None, False, padding.packing(mask))
+        return run
+
+    with torch.inference_mode():
+        ids = torch.randint(config.vocab_size, (sizes[-1] // SEQUENCE, SEQUENCE), generator=torch.Generator().manual_seed(0))
+        x = model.embeddings(ids).flatten(0, 1)
+        # Three calls each: a whole layer over the budget is long enough to time (BERT-base fp32: ~0.7 s).
+        return int(tuning.choose(key, {str(s): trial(s) for s in sizes}, (), backward=False, repeats=3))
 
 
 def tokenize(tokenizer, texts: list[str], max_length: int, truncate: bool, first_index: int = 0) -> list[list[int]]:
@@ -118,8 +155,8 @@ def encode_windows(model, texts: Iterable[str], tokenizer, pooling: str = "mean"
         raise ValueError(f"batch_tokens and window must be positive, got {batch_tokens} and {window}")
     max_length = max_length or default_max_length(model, tokenizer)
     device = next(model.parameters()).device
-    # The budget bounds memory; on a CPU the model runs it in cache-sized batches.
-    budget = min(batch_tokens, cache_tokens(model, device) or batch_tokens)
+    # The budget bounds memory; on a CPU the model runs it in batches of the width measured fastest there.
+    budget = forward_tokens(model, device, batch_tokens)
     pad = tokenizer.pad_token_id or 0
     start, it = 0, iter(texts)
     while True:

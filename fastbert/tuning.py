@@ -153,14 +153,14 @@ def _run(fn, args, backward: bool) -> None:
         torch.autograd.grad(out.float().sum(), leaves, allow_unused=True)
 
 
-def _medians_ms(candidates: dict, args, backward: bool) -> dict[str, float]:
-    """Each candidate's median ms over REPEATS calls, in alternating rounds: a disturbance that comes and
+def _medians_ms(candidates: dict, args, backward: bool, repeats: int = REPEATS) -> dict[str, float]:
+    """Each candidate's median ms over `repeats` calls, in alternating rounds: a disturbance that comes and
     goes (another process's threads, the clock) falls on all of them, not on whichever ran first."""
     times = {name: [] for name in candidates}
     with torch.enable_grad() if backward else torch.no_grad():
         for fn in candidates.values():
             _run(fn, args, backward)  # warm-up: packing, first-touch allocations
-        for _ in range(REPEATS):
+        for _ in range(repeats):
             for name, fn in candidates.items():
                 start = time.perf_counter()
                 _run(fn, args, backward)
@@ -168,9 +168,9 @@ def _medians_ms(candidates: dict, args, backward: bool) -> dict[str, float]:
     return {name: sorted(t)[len(t) // 2] * 1e3 for name, t in times.items()}
 
 
-def choose(key: str, candidates: dict, args, backward: bool) -> str:
+def choose(key: str, candidates: dict, args, backward: bool, repeats: int = REPEATS) -> str:
     """The name of the fastest of `candidates` ({name: fn}) for `key`: from the cache, or timed now on `args`
-    (forward and, with `backward`, the backward of the output's sum)."""
+    (forward and, with `backward`, the backward of the output's sum; `repeats` timed calls each)."""
     entry = entries().get(key)
     # Kept while it measured every one of these candidates (a variant added since, or newly usable, is
     # measured); the fastest of them, where this call can use fewer than were measured.
@@ -184,7 +184,7 @@ def choose(key: str, candidates: dict, args, backward: bool) -> str:
     owners = [(a, a.snapshot()) for a in args if hasattr(a, "snapshot") and hasattr(a, "restore")]
     rng = torch.get_rng_state()
     try:
-        times = _medians_ms(candidates, args, backward)
+        times = _medians_ms(candidates, args, backward, repeats)
     finally:
         torch.set_rng_state(rng)
         for owner, snapshot in owners:

@@ -19,6 +19,7 @@ from fastbert.encode import load, token_budget_batches
 from fastbert.testing import INT8, assert_matches
 
 SENTENCES = [line for line in (Path(__file__).parent / "data" / "sentences.txt").read_text("utf-8").split("\n") if line]
+ENCODE = sys.modules["fastbert.encode"]  # the module (fastbert.encode is the function)
 TEXTS = SENTENCES[:100] + ["", "word " * 400]  # an empty text and one over MiniLM's 256-token limit
 
 
@@ -57,22 +58,55 @@ def test_token_budget_batches_cover_every_text_once_within_budget():
         assert lengths[b[0]] == max(lengths[i] for i in b)
 
 
-def test_cpu_runs_the_budget_in_cache_sized_batches(minilm, monkeypatch):
-    model, tokenizer = minilm
-    tokens = sys.modules["fastbert.encode"].cache_tokens(model, torch.device("cpu"))
+def test_the_cache_rule_sizes_forwards_by_the_cache_and_the_gemms_dtype(minilm, monkeypatch):
+    model, _ = minilm
+    tokens = ENCODE.cache_tokens(model, torch.device("cpu"))
     if tokens is not None:  # a power of two, at least 1024, from the machine's cache size
         assert tokens >= 1024 and tokens & (tokens - 1) == 0
-    assert sys.modules["fastbert.encode"].cache_tokens(model, torch.device("cuda")) is None  # GPUs: the budget as given
+    assert ENCODE.cache_tokens(model, torch.device("cuda")) is None  # GPUs: the budget as given
     if tokens is not None:  # sized by the dtype GEMMs write: bf16 halves it, unless they write float32 (onednn-fp32)
         dense_module, bf16 = sys.modules["fastbert.ops.dense"], fastbert.BertModel(model.config).to(torch.bfloat16)
         monkeypatch.setattr(dense_module, "gemm_output_dtype", lambda dtype, device: torch.float32)
-        assert sys.modules["fastbert.encode"].cache_tokens(bf16, torch.device("cpu")) == tokens
+        assert ENCODE.cache_tokens(bf16, torch.device("cpu")) == tokens
         monkeypatch.setattr(dense_module, "gemm_output_dtype", lambda dtype, device: dtype)
-        assert sys.modules["fastbert.encode"].cache_tokens(bf16, torch.device("cpu")) == 2 * tokens or tokens == 1024
-    monkeypatch.setattr(sys.modules["fastbert.encode"], "cache_tokens", lambda model, device: 256)
+        assert ENCODE.cache_tokens(bf16, torch.device("cpu")) == 2 * tokens or tokens == 1024
+
+
+def test_the_forward_width_is_measured_once_per_machine(monkeypatch, tmp_path):
+    from fastbert import tuning
+
+    monkeypatch.setenv("FASTBERT_CPU_TUNE", "1")
+    monkeypatch.setenv("FASTBERT_CACHE_DIR", str(tmp_path))
+    tuning.forget()
+    try:
+        config = fastbert.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64)
+        model, cpu = fastbert.BertModel(config).eval(), torch.device("cpu")
+        timed, measure = [], tuning._medians_ms  # the widths' trials (the layer's ops measure their variants too)
+        monkeypatch.setattr(tuning, "_medians_ms",
+                            lambda *a, **k: ("2048" in a[0] and timed.append(sorted(a[0]))) or measure(*a, **k))
+        width = ENCODE.forward_tokens(model, cpu, 10000)
+        assert timed == [["2048", "4096", "8192"]]  # the powers of two up to the budget
+        assert width in (2048, 4096, 8192)
+        (entry,) = [e for k, e in tuning.entries().items() if k.startswith("encode tokens")]
+        assert entry["choice"] == str(width) and all(ms > 0 for ms in entry["ms"].values())
+        tuning.forget()  # another process reads the file and measures nothing
+        assert ENCODE.forward_tokens(model, cpu, 10000) == width and len(timed) == 1
+        assert ENCODE.forward_tokens(model, cpu, 3000) == 3000  # one candidate: nothing to measure
+        assert ENCODE.forward_tokens(model, torch.device("cuda"), 10000) == 10000  # GPUs: the budget as given
+        monkeypatch.setenv("FASTBERT_CPU_TUNE", "0")  # the static default: the cache rule
+        assert ENCODE.forward_tokens(model, cpu, 10000) == min(10000, ENCODE.cache_tokens(model, cpu) or 10000)
+        assert len(timed) == 1
+    finally:
+        tuning.forget()
+
+
+def test_cpu_runs_the_budget_in_forwards_of_the_measured_width(minilm, monkeypatch):
+    model, tokenizer = minilm
+    monkeypatch.setattr(ENCODE, "forward_tokens", lambda model, device, budget: 256)
     seen = []
-    windows = sys.modules["fastbert.encode"].encode_windows(model, SENTENCES[:60], tokenizer, batch_tokens=10**6,
-                                                             on_batch=lambda texts, tokens: seen.append(tokens))
+    windows = ENCODE.encode_windows(model, SENTENCES[:60], tokenizer, batch_tokens=10**6,
+                                    on_batch=lambda texts, tokens: seen.append(tokens))
     embeddings = torch.cat([e for _, e in windows])
     assert len(seen) > 1 and max(seen) <= 256  # (no sentence here is longer than 256 tokens)
     assert_matches(embeddings, fastbert.encode(model, SENTENCES[:60], tokenizer, batch_tokens=10**6), name="embeddings")
