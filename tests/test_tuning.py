@@ -186,8 +186,8 @@ def test_only_the_chosen_variant_keeps_prepared_weights(tuned, monkeypatch):
     # The trials run for real (onednn and fastbert pack their weight into `prepared`), then torch is declared
     # faster.
     real = tuning._medians_ms
-    monkeypatch.setattr(tuning, "_medians_ms", lambda candidates, args, backward: {
-        name: 1.0 if name == "torch" else 5.0 for name in real(candidates, args, backward)})
+    monkeypatch.setattr(tuning, "_medians_ms", lambda candidates, *rest: {
+        name: 1.0 if name == "torch" else 5.0 for name in real(candidates, *rest)})
     prepared = ops.PreparedWeights()
     with torch.no_grad(), dispatch.record() as calls:
         ops.dense(torch.randn(256, 64), torch.randn(96, 64), torch.randn(96), prepared=prepared)
