@@ -28,6 +28,9 @@ TORCH_LIBRARY(fastbert_C, m) {
   // attention_fwd / _bwd in bfloat16 with their products on ATen's brgemm (AMX where the CPU has it).
   m.def("attention_fwd_brgemm(Tensor q, Tensor k, Tensor v, Tensor? key_mask, Tensor? cu_seqlens, float scale, "
         "float dropout_p, int seed, Tensor(a!) out, Tensor(b!) lse) -> ()");
+  // attention_fwd in bfloat16 with its products on AMX tiles programmed in fastbert (no library call per tile).
+  m.def("attention_fwd_amx(Tensor q, Tensor k, Tensor v, Tensor? key_mask, Tensor? cu_seqlens, float scale, "
+        "float dropout_p, int seed, Tensor(a!) out, Tensor(b!) lse) -> ()");
   m.def("attention_bwd_brgemm(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? key_mask, "
         "Tensor? cu_seqlens, float scale, float dropout_p, int seed, Tensor(a!) dq, Tensor(b!) dk, "
         "Tensor(c!) dv) -> ()");

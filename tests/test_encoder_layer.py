@@ -14,7 +14,8 @@ from fastbert.testing import poison_outputs
 
 pytest.importorskip("fastbert._C", reason="encoder_layer is a fastbert._C op")
 
-CONFIG = dict(vocab_size=120, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+# Head dim 32: every attention variant serves it (amx's tiles need a multiple of 32).
+CONFIG = dict(vocab_size=120, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
               max_position_embeddings=64)
 SHAPES = ("padded", "unmasked", "batch of one")  # padding -> varlen (packed tokens); none -> padded kernels
 
@@ -85,6 +86,7 @@ FLOAT_CHOICES = {
     "torch": {"qkv_projection": "torch", "dense": "torch", "attention": "torch"},
     "onednn+bias_gelu": {"dense": "onednn+bias_gelu"},
     "brgemm": {"attention": "brgemm", "varlen_attention": "brgemm"},
+    "amx": {"attention": "amx", "varlen_attention": "amx"},
     "own-gemm": {"qkv_projection": "fastbert", "dense": "fastbert"},
     "onednn-rows": {"qkv_projection": "onednn-rows", "dense": "onednn-rows"},
 }
@@ -94,16 +96,16 @@ FLOAT_CHOICES = {
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("choice", list(FLOAT_CHOICES))
 def test_float_layers_in_one_call_equal_op_by_op(monkeypatch, choice, dtype, shape):
-    if choice == "brgemm" and dtype == "fp32":
-        pytest.skip("brgemm attention is bfloat16 only")
+    if choice in ("brgemm", "amx") and dtype == "fp32":
+        pytest.skip(f"{choice} attention is bfloat16 only")
     if choice == "own-gemm" and not torch.ops.fastbert_C.dense_isa_supported(2, torch.bfloat16 if dtype == "bf16" else torch.float32):
         pytest.skip("this CPU lacks the own GEMM's AVX-512 tiles: dispatch never picks it")
     choose(monkeypatch, FLOAT_CHOICES[choice])
     runs = Runs(monkeypatch)
     recorded = check_one_call_equals_op_by_op(model_of(dtype), *inputs(shape), runs)
     ran = {variant for op, _, variant, _ in recorded if op in ("dense", "qkv_projection", "attention", "varlen_attention")}
-    if choice == "brgemm" and "brgemm" not in ran:
-        pytest.skip("brgemm attention cannot run on this machine (its one-time check refused it)")
+    if choice in ("brgemm", "amx") and choice not in ran:
+        pytest.skip(f"{choice} attention cannot run on this machine (no AMX, or its one-time check refused it)")
     linears = {variant for op, _, variant, _ in recorded if op in ("dense", "qkv_projection")}
     if choice in ("own-gemm", "onednn-rows"):
         assert linears == {FLOAT_CHOICES[choice]["dense"]}
@@ -252,7 +254,7 @@ def test_a_layer_setting_changed_after_its_program_is_seen(monkeypatch, setting)
     if setting == "approximate":
         layer.intermediate.approximate = "tanh"
     elif setting == "heads":
-        layer.attention.self.num_attention_heads = 2
+        layer.attention.self.num_attention_heads = 2 * CONFIG["num_attention_heads"]
     else:
         layer.output.LayerNorm.eps = 1e-3
     changed, _ = forward(model, ids, mask)

@@ -32,8 +32,9 @@ enum Code : int64_t {
 enum Linear : int64_t { kOnednn, kOnednnThenBiasGelu, kTorch, kOwnDense, kOnednnRows };
 // quantized_dense's variants: fastbert's own GEMM (int8_gemm.h), oneDNN's u8 x s8 GEMM.
 enum Int8Gemm : int64_t { kOwnGemm, kOnednnGemm };
-// attention's variants: fastbert's kernel, the same on ATen's brgemm, torch's SDPA (padded batches only).
-enum Attention : int64_t { kFastbert, kBrgemm, kTorchSdpa };
+// attention's variants: fastbert's kernel, the same on ATen's brgemm, torch's SDPA (padded batches only),
+// fastbert's kernel on its own AMX tiles.
+enum Attention : int64_t { kFastbert, kBrgemm, kTorchSdpa, kAmx };
 
 template <typename Signature>
 c10::TypedOperatorHandle<Signature> find(const char* name) {
@@ -86,6 +87,7 @@ const c10::TypedOperatorHandle<QlinearFn>& onednn_int8_linear() {
 struct Ops {
   c10::TypedOperatorHandle<AttentionFn> attention = find<AttentionFn>("fastbert_C::attention_fwd");
   c10::TypedOperatorHandle<AttentionFn> attention_brgemm = find<AttentionFn>("fastbert_C::attention_fwd_brgemm");
+  c10::TypedOperatorHandle<AttentionFn> attention_amx = find<AttentionFn>("fastbert_C::attention_fwd_amx");
   c10::TypedOperatorHandle<LayerNormFn> layer_norm = find<LayerNormFn>("fastbert_C::add_layer_norm_fwd");
   c10::TypedOperatorHandle<LayerNormQuantizeFn> layer_norm_quantize =
       find<LayerNormQuantizeFn>("fastbert_C::add_layer_norm_quantize");
@@ -254,10 +256,11 @@ struct Layer {
       lse = empty({heads, t}, qkv.options().dtype(at::kFloat));
     }
     const double scale = std::pow(static_cast<double>(d), -0.5);  // Python's d ** -0.5
-    if (codes[kAttention] == kBrgemm) {
-      const int64_t row_dim = padded ? 2 : 0;  // brgemm reads k's rows as bfloat16 pairs: an even row stride
+    if (codes[kAttention] == kBrgemm || codes[kAttention] == kAmx) {
+      const int64_t row_dim = padded ? 2 : 0;  // both read k's rows as bfloat16 pairs: an even row stride
       if (k.stride(row_dim) % 2) k = k.contiguous();
-      ops().attention_brgemm.call(q, k, v, key_mask, cu_seqlens, scale, 0.0, 0, out, lse);
+      (codes[kAttention] == kAmx ? ops().attention_amx : ops().attention_brgemm)
+          .call(q, k, v, key_mask, cu_seqlens, scale, 0.0, 0, out, lse);
     } else {
       ops().attention.call(q, k, v, key_mask, cu_seqlens, scale, 0.0, 0, out, lse);
     }
@@ -276,7 +279,7 @@ std::vector<at::Tensor> encoder_layer(const at::Tensor& x, const Opt& rows_q, co
   TORCH_CHECK(rows_q.has_value() == rows_scale.has_value() && rows_q.has_value() == rows_zero_point.has_value(),
               "encoder_layer: rows_q, rows_scale and rows_zero_point come together (x quantized) or not at all");
   TORCH_CHECK(codes[kHeads] > 0 && x.size(1) % codes[kHeads] == 0 && codes[kAttention] >= kFastbert &&
-                  codes[kAttention] <= kTorchSdpa && (codes[kAttention] != kTorchSdpa || batch > 0) &&
+                  codes[kAttention] <= kAmx && (codes[kAttention] != kTorchSdpa || batch > 0) &&
                   codes[kActivation] >= 1 && codes[kActivation] <= 2,
               "encoder_layer: codes out of range (heads must divide the hidden size; torch's SDPA is for padded "
               "batches only)");

@@ -136,13 +136,13 @@ def _even_rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(0 if t.dim() == 3 else 2) % 2 == 0 else t.contiguous()
 
 
-def _brgemm_forward(q, k, v, key_mask, cu_seqlens, max_seqlen, scale, dropout_p, seed):
+def _brgemm_forward(q, k, v, key_mask, cu_seqlens, max_seqlen, scale, dropout_p, seed, kernel="brgemm"):
     q, v = (_head_dim_contiguous(t) for t in (q, v))
     k = _even_rows(_head_dim_contiguous(k))
     out = _empty_output(q)
     lse = _alloc.empty(_lse_shape(q), dtype=torch.float32, device=q.device)
-    torch.ops.fastbert_C.attention_fwd_brgemm(q, k, v, key_mask, cu_seqlens, scale, dropout_p, seed_int(seed), out,
-                                              lse)
+    getattr(torch.ops.fastbert_C, f"attention_fwd_{kernel}")(q, k, v, key_mask, cu_seqlens, scale, dropout_p,
+                                                              seed_int(seed), out, lse)
     return out, lse
 
 
@@ -157,6 +157,8 @@ def _brgemm_backward(grad, q, k, v, out, lse, key_mask, cu_seqlens, max_seqlen, 
 
 # Both passes' products on ATen's brgemm (AMX tiles where the CPU has them), the rest as the C++ kernel's.
 BRGEMM = SPEC.kernels("brgemm", _brgemm_forward, _brgemm_backward, "cpu")
+# The forward's products on AMX tiles programmed in fastbert (no library call per product); brgemm's backward.
+AMX = SPEC.kernels("amx", functools.partial(_brgemm_forward, kernel="amx"), _brgemm_backward, "cpu")
 
 
 def _cxx(q, k, v, attention_mask, dropout_p, scale, need_weights, pair=CXX):
@@ -173,10 +175,10 @@ def _cxx_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale, pair=CXX):
 
 
 @functools.lru_cache(maxsize=None)
-def _brgemm_machine_reasons() -> tuple[str, ...]:
-    """Why this machine cannot run the brgemm kernels: a build without avx512_bf16, or a one-time check
-    against the C++ kernel, forward and backward, that fails (oneDNN picks its own code per CPU, AMX among
-    them: the check runs it on the CPU that will use it)."""
+def _brgemm_machine_reasons(kernel: str = "brgemm") -> tuple[str, ...]:
+    """Why this machine cannot run the brgemm (or amx) kernels: a build without avx512_bf16, a CPU without
+    AMX-BF16 (amx), or a one-time check against the C++ kernel, forward and backward, that fails (oneDNN picks
+    its own code per CPU, AMX among them: the check runs it on the CPU that will use it)."""
     from fastbert.testing import tolerance
 
     try:
@@ -185,6 +187,8 @@ def _brgemm_machine_reasons() -> tuple[str, ...]:
         return (f"fastbert._C is not built ({e})",)
     if not _C.AVX512_BF16:
         return ("fastbert._C was built without avx512_bf16 (the pair layouts brgemm reads are made with it)",)
+    if kernel == "amx" and "amx_bf16" not in tuning.cpu_features():
+        return ("this CPU has no AMX-BF16",)
     g = torch.Generator().manual_seed(0)
     # Tails of every tile (77 rows, a masked sequence) and full tiles over two key blocks (600 rows).
     for batch, seq, kept in ((2, 77, 50), (1, 600, 600)):
@@ -193,11 +197,11 @@ def _brgemm_machine_reasons() -> tuple[str, ...]:
         with torch.inference_mode():
             out, lse = _cxx_forward(q, k, v, mask, None, seq, 0.125, 0.0, None)
             ours = (out, lse, *_cxx_backward(grad, q, k, v, out, lse, mask, None, seq, 0.125, 0.0, None))
-            theirs = _brgemm_forward(q, k, v, mask, None, seq, 0.125, 0.0, None)
+            theirs = _brgemm_forward(q, k, v, mask, None, seq, 0.125, 0.0, None, kernel)
             theirs = (*theirs, *_brgemm_backward(grad, q, k, v, *theirs, mask, None, seq, 0.125, 0.0, None))
         errs = [float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(theirs, ours)]
         if not max(errs) <= tolerance(torch.bfloat16, "grad"):
-            return (f"brgemm disagrees with the C++ kernel on this CPU ({batch}x{seq}: rel err of out, logsumexp, "
+            return (f"{kernel} disagrees with the C++ kernel on this CPU ({batch}x{seq}: rel err of out, logsumexp, "
                     "dq, dk, dv: " + ", ".join(f"{e:.3g}" for e in errs) + ")",)
     return ()
 
@@ -208,6 +212,14 @@ def _brgemm_reasons(f: dispatch.Facts) -> list[str]:
     if f.head_dim is not None and f.head_dim % 2:
         return [f"odd head_dim {f.head_dim} (it multiplies bfloat16 pairs)"]
     return list(_brgemm_machine_reasons())
+
+
+def _amx_reasons(f: dispatch.Facts) -> list[str]:
+    if any(d != torch.bfloat16 for d in f.dtypes):
+        return ["bfloat16 only"]
+    if f.head_dim is not None and f.head_dim % 32:
+        return [f"head_dim {f.head_dim} is not a multiple of 32 (a tile row holds 32 bfloat16)"]
+    return list(_brgemm_machine_reasons("amx"))
 
 
 def _on_amx(f: dispatch.Facts) -> bool:
@@ -256,11 +268,13 @@ dispatch.register_variants("attention", "cpu", (
     dispatch.Variant("fastbert", _cxx),
     dispatch.Variant("torch", _torch_sdpa, _sdpa_reasons),
     dispatch.Variant("brgemm", functools.partial(_cxx, pair=BRGEMM), _brgemm_reasons, _on_amx),
+    dispatch.Variant("amx", functools.partial(_cxx, pair=AMX), _amx_reasons),
 ), _attention_class)
 dispatch.register("varlen_attention", "cpu", _CPU_SUPPORT)(_cxx_varlen)
 dispatch.register_variants("varlen_attention", "cpu", (
     dispatch.Variant("fastbert", _cxx_varlen),
     dispatch.Variant("brgemm", functools.partial(_cxx_varlen, pair=BRGEMM), _brgemm_reasons, _on_amx),
+    dispatch.Variant("amx", functools.partial(_cxx_varlen, pair=AMX), _amx_reasons),
 ), _varlen_class)
 dispatch.register("attention", "cuda", _CUDA_SUPPORT, _head_dim_reasons)(_cxx)
 dispatch.register("varlen_attention", "cuda", _CUDA_SUPPORT, _head_dim_reasons)(_cxx_varlen)

@@ -23,7 +23,7 @@ from fastbert.ops.reference import QuantizedRows
 # The module (in fastbert.ops that name is its function): the one call's blocks of rows are its rows_per_block's.
 _quantized_dense = importlib.import_module("fastbert.ops.quantized_dense")
 
-ATTENTION = {"fastbert": 0, "brgemm": 1, "torch": 2}  # attention / varlen_attention variants -> Attention
+ATTENTION = {"fastbert": 0, "brgemm": 1, "torch": 2, "amx": 3}  # attention / varlen_attention variants -> Attention
 LINEARS = {"onednn": 0, "onednn+bias_gelu": 1, "torch": 2, "fastbert": 3, "onednn-rows": 4,
            "onednn+torch_backward": 0}  # (inference: onednn's calls)  # dense's (and qkv_projection's) variants -> Linear
 INT8_GEMMS = {"fastbert": 0, "onednn": 1}  # quantized_dense's variants -> Int8Gemm

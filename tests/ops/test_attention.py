@@ -76,7 +76,7 @@ def _case(b, h, s, d, masked):
     def make(dt, dev):
         return (tuple(randn(b, h, s, d, dtype=dt, device=dev) for _ in range(3)),
                 {"attention_mask": padding_mask(b, s, dev) if masked else None})
-    return Case(f"b{b}h{h}s{s}d{d}-{'mask' if masked else 'nomask'}", make)
+    return Case(f"b{b}h{h}s{s}d{d}-{'mask' if masked else 'nomask'}", make, facts={"head_dim": d})
 
 
 ATTENTION = Spec("attention", ops.attention, reference.attention, "matmul", [
@@ -118,7 +118,8 @@ def no_rows_from_empty_sequences(p, args, kwargs, outs):
 
 def _varlen_case(lengths, h, d):
     p = dict(lengths=lengths, heads=h, head_dim=d, extra_max_seqlen=0, scale=None)
-    return Case(f"lens{'-'.join(map(str, lengths))}h{h}d{d}", lambda dt, dev: varlen_build(p, dt, dev))
+    return Case(f"lens{'-'.join(map(str, lengths))}h{h}d{d}", lambda dt, dev: varlen_build(p, dt, dev),
+                facts={"head_dim": d})
 
 
 VARLEN = Spec("varlen_attention", ops.varlen_attention, reference.varlen_attention, "matmul", [
@@ -356,7 +357,7 @@ def test_across_key_blocks(dtype):
 
 
 @pytest.mark.parametrize("blas", ["0", "1"], ids=["micro-kernel", "blas"])
-@pytest.mark.parametrize("variant", ["fastbert", "brgemm"])
+@pytest.mark.parametrize("variant", ["fastbert", "brgemm", "amx"])
 @pytest.mark.parametrize("dtype", CPU_DTYPES, ids=dtype_id)
 def test_cpu_nan_key_gives_nan_not_zeros(dtype, variant, blas, monkeypatch):
     """A NaN in one key reaches every query of its (sequence, head) as NaN: the row maximum (taken by the
@@ -767,24 +768,26 @@ def test_cuda_rejects_head_dims_over_128_clearly():
 @needs_cpu_kernels
 @pytest.mark.parametrize("spec,case", [(ATTENTION, _case(1, 2, 700, 64, True)), (ATTENTION, _case(2, 3, 515, 32, False)),
                                        (VARLEN, _varlen_case([600, 3, 77, 2], 2, 64))], ids=["s700", "s515", "varlen"])
-def test_brgemm_variant_past_one_key_block(spec, case):
-    """The brgemm forward walks K^T and V pairs block by block (512 keys a block): sequences past one block,
-    ragged ones among them, forward and backward against the reference."""
+@pytest.mark.parametrize("variant", ["brgemm", "amx"])
+def test_brgemm_variant_past_one_key_block(spec, case, variant):
+    """The brgemm and amx forwards walk K^T and V pairs block by block (512 keys a block): sequences past one
+    block, ragged ones among them, forward and backward against the reference."""
     why = dispatch.usable_variants(spec.op, "cpu", dispatch.Facts(("cpu",), (torch.bfloat16,)))[1]
-    if why.get("brgemm"):
-        pytest.skip("; ".join(why["brgemm"]))
+    if why.get(variant):
+        pytest.skip("; ".join(why[variant]))
     args, kwargs = case.make(torch.bfloat16, "cpu")
-    check_parity(spec, "cpu", torch.bfloat16, args, kwargs, "brgemm")
+    check_parity(spec, "cpu", torch.bfloat16, args, kwargs, variant)
 
 
 @needs_cpu_kernels
 @pytest.mark.parametrize("op", ["attention", "varlen_attention"])
-def test_brgemm_variant_drops_what_the_cpu_kernel_drops(op):
-    """With dropout, brgemm's forward and backward keep the elements the C++ kernel keeps (the same seeded
-    hash, checked against the keep mask elsewhere): outputs and gradients agree within the bf16 row."""
+@pytest.mark.parametrize("variant", ["brgemm", "amx"])
+def test_brgemm_variant_drops_what_the_cpu_kernel_drops(op, variant):
+    """With dropout, brgemm's and amx's forward and backward keep the elements the C++ kernel keeps (the same
+    seeded hash, checked against the keep mask elsewhere): outputs and gradients agree within the bf16 row."""
     why = dispatch.usable_variants(op, "cpu", dispatch.Facts(("cpu",), (torch.bfloat16,), dropout=True))[1]
-    if why.get("brgemm"):
-        pytest.skip("; ".join(why["brgemm"]))
+    if why.get(variant):
+        pytest.skip("; ".join(why[variant]))
     if op == "attention":
         args = tuple(randn(2, 3, 90, 64, dtype=torch.bfloat16, device="cpu") for _ in range(3)) + (
             padding_mask(2, 90, "cpu"),)
@@ -793,16 +796,30 @@ def test_brgemm_variant_drops_what_the_cpu_kernel_drops(op):
             cu_seqlens([90, 1, 59], "cpu"), 90)
     grad = torch.randn(args[0].shape).bfloat16()
     results = {}
-    for variant in ("fastbert", "brgemm"):
+    for name in ("fastbert", variant):
         leaves = [a.detach().clone().requires_grad_() if i < 3 else a for i, a in enumerate(args)]
         torch.manual_seed(7)
-        with dispatch.use_variant(op, variant), poison_outputs(), dispatch.record() as calls:
+        with dispatch.use_variant(op, name), poison_outputs(), dispatch.record() as calls:
             out = getattr(ops, op)(*leaves, dropout_p=0.3)
             out.backward(grad)
-        assert {c.variant for c in calls if c[0] == op} == {variant}
-        results[variant] = [out.detach(), *(t.grad for t in leaves[:3])]
-    for name, ours, theirs in zip(("out", "dq", "dk", "dv"), results["brgemm"], results["fastbert"]):
+        assert {c.variant for c in calls if c[0] == op} == {name}
+        results[name] = [out.detach(), *(t.grad for t in leaves[:3])]
+    for name, ours, theirs in zip(("out", "dq", "dk", "dv"), results[variant], results["fastbert"]):
         assert_close(ours.float(), theirs.double(), torch.bfloat16, "grad", name=name)
+
+
+@needs_cpu_kernels
+def test_amx_kernel_refuses_head_dims_its_tiles_cannot_hold():
+    """The AMX forward's tile rows hold 32 bfloat16 of the head dim: another head dim is refused by name,
+    before any tile runs (and dispatch never offers it one)."""
+    why = dispatch.usable_variants("attention", "cpu", dispatch.Facts(("cpu",), (torch.bfloat16,), head_dim=48))[1]
+    assert "multiple of 32" in "; ".join(why.get("amx", []))
+    if dispatch.usable_variants("attention", "cpu", dispatch.Facts(("cpu",), (torch.bfloat16,), head_dim=64))[1].get("amx"):
+        pytest.skip("amx cannot run on this machine")
+    q = torch.randn(1, 2, 9, 48).bfloat16()
+    out, lse = torch.empty_like(q), torch.empty(1, 2, 9)
+    with pytest.raises(RuntimeError, match="attention_fwd_amx: needs a head dim that is a multiple of 32"):
+        torch.ops.fastbert_C.attention_fwd_amx(q, q, q, None, None, 0.1, 0.0, 0, out, lse)
 
 
 @needs_cpu_kernels
