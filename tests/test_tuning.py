@@ -2,6 +2,7 @@
 of call, keeps the fastest in a cache file per machine, and lets users force or switch off the choice."""
 import json
 import re
+import sys
 import time
 
 import pytest
@@ -220,18 +221,25 @@ def test_compiling_never_measures(tuned, monkeypatch):
         assert_close(compiled(x), x.double() @ w.double().T, torch.float32, "matmul")
 
 
+@pytest.mark.parametrize("head_dim", [16, 32])
 @pytest.mark.parametrize("amx", [True, False], ids=["amx", "no-amx"])
-def test_the_static_default_follows_the_cpus_features(monkeypatch, amx):
-    """With measuring off, bfloat16 attention runs on brgemm where the CPU has AMX (the variant it prefers),
-    on the C++ kernel elsewhere (the first registered)."""
+def test_the_static_default_follows_the_cpus_features(monkeypatch, amx, head_dim):
+    """With measuring off, bfloat16 attention runs on amx where the CPU has AMX and the head dim suits its
+    tiles, else on brgemm (the variants it prefers, in that order), on the C++ kernel without AMX (the first
+    registered)."""
     skip_unless_variant("attention", "brgemm", torch.bfloat16)
+    attention_module = sys.modules["fastbert.ops.attention"]
+    amx_runs = not attention_module._brgemm_machine_reasons("amx")  # on the real CPU
     monkeypatch.setenv("FASTBERT_CPU_TUNE", "0")
     monkeypatch.setattr(tuning, "cpu_features", lambda: frozenset({"amx_tile", "amx_bf16"} if amx else ()))
+    attention_module._brgemm_machine_reasons.cache_clear()
     dispatch._choices.clear()
-    q, k, v = (torch.randn(2, 2, 8, 16).to(torch.bfloat16) for _ in range(3))
+    q, k, v = (torch.randn(2, 2, 8, head_dim).to(torch.bfloat16) for _ in range(3))
     try:
         with torch.inference_mode(), dispatch.record() as calls:
             ops.attention(q, k, v)
     finally:
-        dispatch._choices.clear()  # (chosen under the patched features)
-    assert [(c.op, c.variant) for c in calls] == [("attention", "brgemm" if amx else "fastbert")]
+        attention_module._brgemm_machine_reasons.cache_clear()  # (judged under the patched features)
+        dispatch._choices.clear()
+    expected = "fastbert" if not amx else "amx" if head_dim % 32 == 0 and amx_runs else "brgemm"
+    assert [(c.op, c.variant) for c in calls] == [("attention", expected)]

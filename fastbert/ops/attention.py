@@ -197,7 +197,10 @@ def _brgemm_machine_reasons(kernel: str = "brgemm") -> tuple[str, ...]:
         with torch.inference_mode():
             out, lse = _cxx_forward(q, k, v, mask, None, seq, 0.125, 0.0, None)
             ours = (out, lse, *_cxx_backward(grad, q, k, v, out, lse, mask, None, seq, 0.125, 0.0, None))
-            theirs = _brgemm_forward(q, k, v, mask, None, seq, 0.125, 0.0, None, kernel)
+            try:  # (the amx kernel refuses a CPU without AMX-BF16 itself, or a kernel that keeps the tiles)
+                theirs = _brgemm_forward(q, k, v, mask, None, seq, 0.125, 0.0, None, kernel)
+            except RuntimeError as e:
+                return (f"{kernel} refused to run on this CPU: {e}",)
             theirs = (*theirs, *_brgemm_backward(grad, q, k, v, *theirs, mask, None, seq, 0.125, 0.0, None))
         errs = [float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(theirs, ours)]
         if not max(errs) <= tolerance(torch.bfloat16, "grad"):
@@ -223,8 +226,9 @@ def _amx_reasons(f: dispatch.Facts) -> list[str]:
 
 
 def _on_amx(f: dispatch.Facts) -> bool:
-    """brgemm's static default: where oneDNN runs it on AMX tiles (on a Xeon with AMX 2.2-3.1x the C++
-    kernel's bf16 forward, 1.6-1.9x forward + backward, and at least level with torch's SDPA: RESULTS.md)."""
+    """amx's and brgemm's static default (amx's first, where it serves the head dim): where the CPU has
+    AMX-BF16 (on a Xeon with AMX brgemm ran the bf16 forward 2.2-3.1x the C++ kernel's, 1.6-1.9x forward +
+    backward, at least level with torch's SDPA; amx's forward 1.02-2.0x brgemm's: RESULTS.md)."""
     return "amx_bf16" in tuning.cpu_features()
 
 
@@ -267,14 +271,14 @@ def _varlen_class(q, k, v, cu_seqlens, max_seqlen, *_):
 dispatch.register_variants("attention", "cpu", (
     dispatch.Variant("fastbert", _cxx),
     dispatch.Variant("torch", _torch_sdpa, _sdpa_reasons),
+    dispatch.Variant("amx", functools.partial(_cxx, pair=AMX), _amx_reasons, _on_amx),
     dispatch.Variant("brgemm", functools.partial(_cxx, pair=BRGEMM), _brgemm_reasons, _on_amx),
-    dispatch.Variant("amx", functools.partial(_cxx, pair=AMX), _amx_reasons),
 ), _attention_class)
 dispatch.register("varlen_attention", "cpu", _CPU_SUPPORT)(_cxx_varlen)
 dispatch.register_variants("varlen_attention", "cpu", (
     dispatch.Variant("fastbert", _cxx_varlen),
+    dispatch.Variant("amx", functools.partial(_cxx_varlen, pair=AMX), _amx_reasons, _on_amx),
     dispatch.Variant("brgemm", functools.partial(_cxx_varlen, pair=BRGEMM), _brgemm_reasons, _on_amx),
-    dispatch.Variant("amx", functools.partial(_cxx_varlen, pair=AMX), _amx_reasons),
 ), _varlen_class)
 dispatch.register("attention", "cuda", _CUDA_SUPPORT, _head_dim_reasons)(_cxx)
 dispatch.register("varlen_attention", "cuda", _CUDA_SUPPORT, _head_dim_reasons)(_cxx_varlen)
