@@ -17,9 +17,6 @@
 #include <torch/library.h>
 
 #include <dlfcn.h>
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -30,6 +27,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
 #include "dropout.h"
 #include "vec.h"
 
@@ -528,100 +526,32 @@ struct BrgemmProducts : Bf16Products {
 
 // The same two products on AMX tiles, programmed here: each tile op one instruction, where brgemm pays a
 // kernel lookup and a tile configuration per call (on a Xeon with AMX, d = 32 varlen forward over 8192
-// tokens: sequences of 16 tokens 5.57 ms on brgemm, 2.75 here; of 256 tokens 8.77 and 8.44).
-// All eight tiles are 16 rows x 64 bytes: A a strip of 16 rows x 32 bfloat16, B 16 pair rows x 16 columns,
-// C 16 x 16 fp32; a block is up to 2 strips x 2 column tiles (4 C, 2 A, 2 B). Rows past a block's last
-// are computed too and never read: Q's last partial strip is copied into zero-padded rows, K^T's pair rows
+// tokens: sequences of 16 tokens 5.57 ms on brgemm, 2.75 here; of 256 tokens 8.77 and 8.44), the tiles as
+// amx.h lays them out. Rows past a block's last are computed too and never read: Q's last partial strip is copied into zero-padded rows, K^T's pair rows
 // and S are padded to 16 columns, P to 32 keys and V's pairs to 16 key pairs, with zeros.
 // Needs a head dim that is a multiple of 32 (A's 64-byte rows) and an even K row stride.
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Linux hands out the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, once per process).
-bool amx_permitted() {
-  static const bool permitted = [] {
-    constexpr int kRequestPermission = 0x1023, kTileData = 18;
-    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
-  }();
-  return permitted;
-}
-
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
-// C[kS strips x kN column tiles] (=|+=) sum over `steps` of A[strip][step] B[step][tile]: A strip s at
-// a[s] + 32 * step elements (row stride lda bytes), B tile n at b + step * b_step + 16 * n words (row stride
-// ldb bytes), C tile (s, n) at c + s * 16 rows + 16 * n (row stride ldc bytes).
-template <int kS, int kN, bool kAdd>
-__attribute__((target("amx-tile,amx-bf16"))) void tile_block(const c10::BFloat16* const a[2], int64_t lda,
-                                                              const uint32_t* b, int64_t b_step, int64_t ldb,
-                                                              int64_t steps, float* c, int64_t ldc) {
-  float* c1 = c + 16 * (ldc / 4);
-  if constexpr (kAdd) {
-    _tile_loadd(0, c, ldc);
-    if constexpr (kN > 1) _tile_loadd(1, c + 16, ldc);
-    if constexpr (kS > 1) _tile_loadd(2, c1, ldc);
-    if constexpr (kS > 1 && kN > 1) _tile_loadd(3, c1 + 16, ldc);
-  } else {
-    _tile_zero(0);
-    if constexpr (kN > 1) _tile_zero(1);
-    if constexpr (kS > 1) _tile_zero(2);
-    if constexpr (kS > 1 && kN > 1) _tile_zero(3);
-  }
-  for (int64_t t = 0; t < steps; ++t) {
-    _tile_loadd(4, a[0] + 32 * t, lda);
-    if constexpr (kS > 1) _tile_loadd(5, a[1] + 32 * t, lda);
-    _tile_loadd(6, b + t * b_step, ldb);
-    if constexpr (kN > 1) _tile_loadd(7, b + t * b_step + 16, ldb);
-    _tile_dpbf16ps(0, 4, 6);
-    if constexpr (kN > 1) _tile_dpbf16ps(1, 4, 7);
-    if constexpr (kS > 1) _tile_dpbf16ps(2, 5, 6);
-    if constexpr (kS > 1 && kN > 1) _tile_dpbf16ps(3, 5, 7);
-  }
-  _tile_stored(0, c, ldc);
-  if constexpr (kN > 1) _tile_stored(1, c + 16, ldc);
-  if constexpr (kS > 1) _tile_stored(2, c1, ldc);
-  if constexpr (kS > 1 && kN > 1) _tile_stored(3, c1 + 16, ldc);
-}
-
-// C [strips x 16 rows, tiles x 16 columns] as above, in blocks of 2 x 2 (then the 1-wide edges).
-// strip_at(s): strip s's first row.
+// C [strips x 16 rows, tiles x 16 columns] (=|+=) A B on amx::tile_block, in blocks of 2 x 2 (then the
+// 1-wide edges); B's column tiles 16 words apart. strip_at(s): strip s's first row.
 template <bool kAdd, typename StripAt>
 void tile_product(int64_t strips, int64_t tiles, const StripAt& strip_at, int64_t lda, const uint32_t* b,
                   int64_t b_step, int64_t ldb, int64_t steps, float* c, int64_t ldc) {
   for (int64_t s = 0; s < strips; s += 2) {
     const c10::BFloat16* a[2] = {strip_at(s), s + 1 < strips ? strip_at(s + 1) : nullptr};
     float* cs = c + s * 16 * (ldc / 4);
-    for (int64_t n = 0; n < tiles; n += 2) {
-      const bool two_s = s + 1 < strips, two_n = n + 1 < tiles;
-      const uint32_t* bn = b + 16 * n;
-      if (two_s && two_n) tile_block<2, 2, kAdd>(a, lda, bn, b_step, ldb, steps, cs + 16 * n, ldc);
-      else if (two_s) tile_block<2, 1, kAdd>(a, lda, bn, b_step, ldb, steps, cs + 16 * n, ldc);
-      else if (two_n) tile_block<1, 2, kAdd>(a, lda, bn, b_step, ldb, steps, cs + 16 * n, ldc);
-      else tile_block<1, 1, kAdd>(a, lda, bn, b_step, ldb, steps, cs + 16 * n, ldc);
-    }
+    for (int64_t n = 0; n < tiles; n += 2)
+      amx::tile_block<kAdd>(std::min<int64_t>(2, strips - s), std::min<int64_t>(2, tiles - n), a, lda, b + 16 * n,
+                            b_step, 16, ldb, steps, cs + 16 * n, ldc);
   }
 }
-
-__attribute__((target("amx-tile"))) inline void configure_tiles() {
-  alignas(64) TileConfig config;
-  for (int t = 0; t < 8; ++t) config.bytes_per_row[t] = 64, config.rows[t] = 16;
-  // ldtilecfg reading this very object (the intrinsic reads it through another struct type, and GCC may then
-  // drop the stores above as dead under strict aliasing).
-  asm volatile("ldtilecfg %0" ::"m"(config));
-}
-
-__attribute__((target("amx-tile"))) inline void release_tiles() { _tile_release(); }
 
 struct AmxProducts : Bf16Products {
   std::vector<c10::BFloat16> edge;  // Q's last strip where it has fewer than 16 rows, zero-padded
   int64_t ldkt = 0;                 // K^T's pair rows, padded to 16 keys
 
   static bool serves(int64_t head_dim, int64_t k_row_stride) { return head_dim % 32 == 0 && k_row_stride % 2 == 0; }
-  AmxProducts() { configure_tiles(); }
-  ~AmxProducts() { release_tiles(); }
+  amx::Scope tiles;
 
   void start(const c10::BFloat16* q_rows, int64_t q_stride, const c10::BFloat16* k, int64_t ldk,
              const c10::BFloat16* v, int64_t ldv, int64_t /*rows*/, int64_t key_count, int64_t head_dim) {
@@ -1102,7 +1032,7 @@ void attention_fwd_amx(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                        const std::optional<at::Tensor>& key_mask, const std::optional<at::Tensor>& cu_seqlens,
                        double scale, double dropout_p, int64_t seed, const at::Tensor& out, const at::Tensor& lse) {
 #ifdef FASTBERT_AVX512_BF16
-  TORCH_CHECK(__builtin_cpu_supports("amx-bf16") && amx_permitted(),
+  TORCH_CHECK(amx::cpu_has_amx(),
               "attention_fwd_amx: this CPU has no AMX-BF16, or Linux refused the tile state");
   bf16_forward<AmxProducts>("attention_fwd_amx", "a head dim that is a multiple of 32 and an even K row stride", q, k,
                             v, key_mask, cu_seqlens, scale, dropout_p, seed, out, lse);

@@ -64,9 +64,13 @@ void dense_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_
               "dense_gemm: out must be a contiguous ", dtype, " [", m, ", ", n, "] tensor (x's dtype), got ",
               out.scalar_type(), " ", out.sizes());
   TORCH_CHECK(isa >= float_gemm::kBest && isa <= float_gemm::kLastIsa,
-              "dense_gemm: isa must be 0 (best available), 1 (portable C++) or 2 (AVX-512), got ", isa);
-  TORCH_CHECK(isa_supported(isa, dtype), "dense_gemm: isa ", isa, " needs a CPU with avx512f",
-              dtype == at::kBFloat16 ? " and avx512_bf16" : "", "; this CPU lacks it (isa 0 picks the best it has)");
+              "dense_gemm: isa must be 0 (best available), 1 (portable C++), 2 (AVX-512) or 3 (AMX, bfloat16), got ",
+              isa);
+  TORCH_CHECK(isa != float_gemm::kAmx || dtype == at::kBFloat16, "dense_gemm: isa 3 (AMX) is for bfloat16 only");
+  TORCH_CHECK(isa_supported(isa, dtype), "dense_gemm: isa ", isa, " needs a CPU with ",
+              isa == float_gemm::kAmx ? "AMX-BF16 (and Linux's permission for its tiles)"
+                                      : dtype == at::kBFloat16 ? "avx512f and avx512_bf16" : "avx512f",
+              "; this CPU lacks it (isa 0 picks the best it has)");
   at::assert_no_overlap(out, x);  // other panels still read the rows a tile has written
   const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
   std::vector<float> converted;  // the epilogue adds float32

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "gelu.h"
 #include "gemm_driver.h"
@@ -27,6 +28,8 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #define FASTBERT_AVX512F_TARGET __attribute__((target("avx512f")))
+
+#include "amx.h"
 #endif
 
 namespace fastbert {
@@ -38,8 +41,9 @@ constexpr int64_t kCols = 16;  // output channels per packed block
 template <typename T>
 constexpr int64_t kPack = 4 / sizeof(T);
 
-// isa argument of dense_gemm.
-enum Isa : int64_t { kBest = 0, kPortable = 1, kAvx512 = 2, kLastIsa = kAvx512 };
+// isa argument of dense_gemm. kAmx: bfloat16 on AMX tiles (amx.h), the k past whole 32-value steps and the
+// epilogue on AVX-512.
+enum Isa : int64_t { kBest = 0, kPortable = 1, kAvx512 = 2, kAmx = 3, kLastIsa = kAmx };
 
 inline int64_t blocks(int64_t n) { return (n + kCols - 1) / kCols; }
 template <typename T>
@@ -53,12 +57,15 @@ bool cpu_has(int64_t isa) {
   static const bool avx512 = __builtin_cpu_supports("avx512f") &&
                              (std::is_same_v<T, float> || __builtin_cpu_supports("avx512bf16"));
   if (isa == kAvx512) return avx512;
+  if (isa == kAmx) return std::is_same_v<T, c10::BFloat16> && avx512 && amx::cpu_has_amx();
 #endif
   return false;
 }
 
+// AMX where bfloat16 has it (on a Xeon with AMX 1.3-1.5x oneDNN's linear, one thread, 512 x 768 -> 768 and
+// -> 3072: benchmarks/RESULTS.md), else AVX-512, else portable C++.
 template <typename T>
-int64_t best_isa() { return cpu_has<T>(kAvx512) ? kAvx512 : kPortable; }
+int64_t best_isa() { return cpu_has<T>(kAmx) ? kAmx : cpu_has<T>(kAvx512) ? kAvx512 : kPortable; }
 
 // w [n, k] row-major -> packed [blocks(n)][groups(k)][16][kPack], every value written (padding zero).
 template <typename T>
@@ -257,12 +264,72 @@ void run(const Problem<T>& p, const gemm_driver::Kernel<TileFn<T>, kRows, kBlock
   });
 }
 
+#if defined(__x86_64__)
+// bfloat16 on AMX. Tasks: (a share of the rows) x (a group of 32-column panels whose weights take at most a
+// quarter of L2), a thread's tasks sharing its rows. In a task, 32 rows at a time (in L1) meet each panel of
+// the group (in L2): the sums over whole 32-value steps of k on amx::tile_block (x's rows read in place, a
+// partial strip of 16 rows from a zero-padded copy; a packed block holds a step's 16 pair rows x 16 columns as
+// 1 KB), the rest of k on the AVX-512 tiles, then run's epilogue while the tile is in L1. Rows are shared
+// out where each thread gets 64 or more, else panels (a few rows: each thread reads only its part of the
+// weights).
+inline void run_amx(const Problem<c10::BFloat16>& p) {
+  using T = c10::BFloat16;
+  static const auto tail = gemm_driver::make_kernel<TileFn<T>, Tiles<T, true>::template Tile, 6, 2>();
+  static const int64_t l2 = [] {
+    const long bytes = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    return bytes > 0 ? int64_t(bytes) : int64_t(1) << 20;
+  }();
+  const int64_t steps = p.k / 32, stride = p.block_stride() / kPack<T>;  // stride: words from block to block
+  const uint32_t* packed = reinterpret_cast<const uint32_t*>(p.packed);
+  const int64_t threads = at::get_num_threads(), panels = (blocks(p.n) + 1) / 2;
+  const int64_t row_shares = p.m >= 64 * threads ? threads : 1;
+  const int64_t share = (p.m + row_shares - 1) / row_shares;
+  int64_t groups = std::max<int64_t>(1, (panels * 32 * p.k * 2 + l2 / 4 - 1) / (l2 / 4));
+  if (row_shares == 1) groups = (std::max(groups, threads) + threads - 1) / threads * threads;
+  groups = std::min(groups, panels);
+  const int64_t per_group = (panels + groups - 1) / groups;
+  at::parallel_for(0, row_shares * groups, 1, [&](int64_t begin, int64_t end) {
+    amx::Scope tiles;
+    alignas(64) float sums[32 * 32];
+    std::vector<T> edge;  // a partial strip's rows, zero-padded to 16
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t row_end = std::min(p.m, (task / groups + 1) * share);
+      const int64_t panel_end = std::min(panels, (task % groups + 1) * per_group);
+      for (int64_t r = task / groups * share; r < row_end; r += 32) {
+        const int64_t rows = std::min<int64_t>(32, row_end - r), strips = (rows + 15) / 16;
+        const T* a[2] = {p.x + r * p.k, strips > 1 ? p.x + (r + 16) * p.k : nullptr};
+        int64_t lda = p.k * 2;
+        if (rows % 16 != 0 && steps > 0) {  // the last strip is partial: both strips from one padded copy
+          edge.assign(32 * steps * 32, T(0.f));
+          for (int64_t i = 0; i < rows; ++i)
+            std::copy(p.x + (r + i) * p.k, p.x + (r + i) * p.k + 32 * steps, edge.data() + i * 32 * steps);
+          a[0] = edge.data(), a[1] = edge.data() + 16 * 32 * steps, lda = 32 * steps * 2;
+        }
+        for (int64_t panel = task % groups * per_group; panel < panel_end; ++panel) {
+          const int64_t block = 2 * panel, nb = std::min<int64_t>(2, blocks(p.n) - block);
+          if (steps > 0) amx::tile_block<false>(strips, nb, a, lda, packed + block * stride, 256, stride, 64, steps,
+                                                sums, 32 * 4);
+          else std::fill(sums, sums + 32 * 32, 0.f);  // (k 0: the bias alone)
+          for (int64_t i = 0; i < rows && 32 * steps < p.k; i += 6)  // k past the whole steps, added to (or,
+            tail.table[std::min<int64_t>(6, rows - i) - 1][nb - 1](  // where there are none, written to) the sums
+                p, r + i, block, 32 * steps, p.k, sums + i * 32, 32);
+          epilogue(p, r, rows, block * kCols, std::min(nb * kCols, p.n - block * kCols), sums, 32);
+        }
+      }
+    }
+  });
+}
+#endif
+
 // isa: an Isa the CPU has for T (the caller checks); kBest picks.
 template <typename T>
 void linear(const Problem<T>& p, int64_t isa) {
   if (p.m == 0 || p.n == 0) return;
   if (isa == kBest) isa = best_isa<T>();
 #if defined(__x86_64__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (isa == kAmx) return run_amx(p);
+  }
   if (isa == kAvx512) {
     static const auto kernel = gemm_driver::make_kernel<TileFn<T>, Tiles<T, true>::template Tile, 6, 4>();
     return run(p, kernel);

@@ -91,25 +91,30 @@ test_bad_input = bad_input_test([
 
 # ---------------------------- fastbert's own float32 / bfloat16 GEMM (dense's fastbert variant), every tail
 
-GEMM_ISAS = [("best", 0), ("portable", 1), ("avx512", 2)]
+GEMM_ISAS = [("best", 0), ("portable", 1), ("avx512", 2), ("amx", 3)]
 GEMM_EPILOGUES = [("none", "none"), ("gelu", "none"), ("gelu", "tanh")]
 GEMM_DTYPES = [torch.float32, torch.bfloat16]
 
 
 def skip_unless_gemm_isa(isa, dtype):
     skip_unless_runnable("dense", "cpu", dtype)
+    if isa == 3 and dtype != torch.bfloat16:
+        pytest.skip("the AMX GEMM is bfloat16's")
     if not torch.ops.fastbert_C.dense_isa_supported(isa, dtype):
-        pytest.skip(f"this CPU lacks avx512f{' and avx512_bf16' if dtype == torch.bfloat16 else ''} (isa {isa})")
+        pytest.skip(f"this CPU lacks {'AMX-BF16' if isa == 3 else 'avx512f'}"
+                    f"{' and avx512_bf16' if dtype == torch.bfloat16 and isa != 3 else ''} (isa {isa})")
 
 
 @pytest.mark.parametrize("dtype", GEMM_DTYPES, ids=str)
 @pytest.mark.parametrize("isa_name,isa", GEMM_ISAS, ids=[name for name, _ in GEMM_ISAS])
 @pytest.mark.parametrize("activation,approximate", GEMM_EPILOGUES, ids=["none", "gelu", "gelu_tanh"])
 @pytest.mark.parametrize("m,k,n", [(1, 1, 1), (3, 5, 17), (7, 64, 15), (17, 768, 70), (130, 96, 200),
-                                   (16, 384, 1152), (6, 3072, 64), (9, 769, 33), (5, 1537, 40)])
+                                   (16, 384, 1152), (6, 3072, 64), (9, 769, 33), (5, 1537, 40), (48, 64, 48),
+                                   (600, 96, 32)])
 def test_own_gemm_matches_the_reference(m, k, n, activation, approximate, isa_name, isa, dtype):
-    """dense_gemm against the float64 reference, every tail of m (6-row tiles), n (16 x 4 columns) and k
-    (bfloat16 pairs; chunks of 768 float32 and 1536 bfloat16 values)."""
+    """dense_gemm against the float64 reference, every tail of m (6-row tiles; AMX: 16-row strips, 32-row
+    blocks, 512-row tasks), n (16 x 4 columns; AMX: 16 x 2) and k (bfloat16 pairs; chunks of 768 float32 and
+    1536 bfloat16 values; AMX: 32-value steps)."""
     skip_unless_gemm_isa(isa, dtype)
     gen = torch.Generator().manual_seed(m * 131 + k * 17 + n)
     x = torch.randn(m, k, generator=gen).to(dtype)
@@ -208,7 +213,8 @@ def bad_gemm(x=None, packed=None, n=5, k=8, bias=None, activation=0, isa=0, out=
     (lambda: bad_gemm(activation=3), "activation must be 0 \\(none\\), 1 \\(gelu\\), 2 \\(gelu_tanh\\)"),
     (lambda: bad_gemm(out=torch.empty(3, 6)), "out must be a contiguous Float \\[3, 5\\]"),
     (lambda: bad_gemm(out=torch.empty(3, 5, dtype=torch.bfloat16)), "out must be a contiguous Float .* \\(x's dtype\\)"),
-    (lambda: bad_gemm(isa=3), "isa must be 0 \\(best available\\), 1 \\(portable C\\+\\+\\) or 2"),
+    (lambda: bad_gemm(isa=4), "isa must be 0 \\(best available\\), 1 \\(portable C\\+\\+\\), 2 .* or 3"),
+    (lambda: bad_gemm(isa=3), "isa 3 \\(AMX\\) is for bfloat16 only"),
     (lambda: (lambda x: bad_gemm(x=x, packed=torch.ops.fastbert_C.dense_pack(torch.zeros(8, 8)), n=8, out=x))(
         torch.zeros(3, 8)), "unsupported operation: some elements of the input"),  # out over x
     (lambda: torch.ops.fastbert_C.dense_pack(torch.zeros(3, 4, dtype=torch.int8)),
