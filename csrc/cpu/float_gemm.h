@@ -62,8 +62,8 @@ bool cpu_has(int64_t isa) {
   return false;
 }
 
-// AMX where bfloat16 has it (on a Xeon with AMX 1.3-1.5x oneDNN's linear, one thread, 512 x 768 -> 768 and
-// -> 3072: benchmarks/RESULTS.md), else AVX-512, else portable C++.
+// AMX where bfloat16 has it (on a Xeon with AMX 1.15-1.47x oneDNN's linear, one thread, 512 x 768 -> 768,
+// -> 3072 and 512 x 3072 -> 768: benchmarks/RESULTS.md), else AVX-512, else portable C++.
 template <typename T>
 int64_t best_isa() { return cpu_has<T>(kAmx) ? kAmx : cpu_has<T>(kAvx512) ? kAvx512 : kPortable; }
 
