@@ -524,12 +524,6 @@ struct BrgemmProducts : Bf16Products {
   }
 };
 
-// The same two products on AMX tiles, programmed here: each tile op one instruction, where brgemm pays a
-// kernel lookup and a tile configuration per call (on a Xeon with AMX, d = 32 varlen forward over 8192
-// tokens: sequences of 16 tokens 5.57 ms on brgemm, 2.75 here; of 256 tokens 8.77 and 8.44), the tiles as
-// amx.h lays them out. Rows past a block's last are computed too and never read: Q's last partial strip is copied into zero-padded rows, K^T's pair rows
-// and S are padded to 16 columns, P to 32 keys and V's pairs to 16 key pairs, with zeros.
-// Needs a head dim that is a multiple of 32 (A's 64-byte rows) and an even K row stride.
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 // C [strips x 16 rows, tiles x 16 columns] (=|+=) A B on amx::tile_block, in blocks of 2 x 2 (then the
@@ -546,6 +540,13 @@ void tile_product(int64_t strips, int64_t tiles, const StripAt& strip_at, int64_
   }
 }
 
+// The same two products on AMX tiles, programmed here: each tile op one instruction, where brgemm pays a
+// kernel lookup and a tile configuration per call (on a Xeon with AMX, d = 32 varlen forward over 8192
+// tokens: sequences of 16 tokens 5.57 ms on brgemm, 2.75 here; of 256 tokens 8.77 and 8.44), the tiles as
+// amx.h lays them out. Rows past a block's last are computed too and never read: Q's last partial strip is
+// copied into zero-padded rows, K^T's pair rows and S are padded to 16 columns, P to 32 keys and V's pairs
+// to 16 key pairs, with zeros. Needs a head dim that is a multiple of 32 (A's 64-byte rows) and an even K
+// row stride.
 struct AmxProducts : Bf16Products {
   std::vector<c10::BFloat16> edge;  // Q's last strip where it has fewer than 16 rows, zero-padded
   int64_t ldkt = 0;                 // K^T's pair rows, padded to 16 keys
@@ -565,32 +566,19 @@ struct AmxProducts : Bf16Products {
     vp.resize(std::max<size_t>(vp.size(), (size_t)(padded * d)));
     std::fill(vp.begin() + pairs * d, vp.begin() + padded * d, 0u);
   }
-  // Strip s of rows [row0, row0 + rows) of X (row stride ld), 16 rows: in place, or the edge copy.
-  const c10::BFloat16* strip(const c10::BFloat16* x, int64_t ld, int64_t rows, int64_t s, int64_t& lda) {
-    if (16 * (s + 1) <= rows) {
-      lda = ld * 2;
-      return x + 16 * s * ld;
-    }
-    edge.assign(16 * d, c10::BFloat16(0.f));
-    for (int64_t r = 16 * s; r < rows; ++r) std::copy(x + r * ld, x + r * ld + d, edge.data() + (r - 16 * s) * d);
-    lda = d * 2;
-    return edge.data();
-  }
   int64_t score_stride(int64_t nk) const { return round_up(nk, 16); }
   bool scores(int64_t qb, int64_t nq, int64_t kb, int64_t nk, float scale, float* S, float* row_max) {
-    const int64_t lds = score_stride(nk), strips = (nq + 15) / 16;
-    int64_t lda = ldq * 2;
+    const int64_t lds = score_stride(nk), full = nq / 16;
     const c10::BFloat16* rows = q + qb * ldq;
-    if (nq % 16 == 0) {
-      tile_product<false>(strips, lds / 16, [&](int64_t s) { return rows + 16 * s * ldq; }, lda, kt.data() + kb,
-                          16 * ldkt, ldkt * 4, d / 32, S, lds * 4);
-    } else {  // the full strips in place, the last one from its zero-padded copy
-      if (strips > 1)
-        tile_product<false>(strips - 1, lds / 16, [&](int64_t s) { return rows + 16 * s * ldq; }, lda,
-                            kt.data() + kb, 16 * ldkt, ldkt * 4, d / 32, S, lds * 4);
-      const c10::BFloat16* last = strip(rows, ldq, nq, strips - 1, lda);
-      tile_product<false>(1, lds / 16, [&](int64_t) { return last; }, lda, kt.data() + kb, 16 * ldkt, ldkt * 4,
-                          d / 32, S + (strips - 1) * 16 * lds, lds * 4);
+    const auto product = [&](int64_t strips, const auto& strip_at, int64_t lda, float* c) {
+      tile_product<false>(strips, lds / 16, strip_at, lda, kt.data() + kb, 16 * ldkt, ldkt * 4, d / 32, c, lds * 4);
+    };
+    if (full > 0) product(full, [&](int64_t s) { return rows + 16 * s * ldq; }, ldq * 2, S);  // in place
+    if (nq % 16 != 0) {  // the last strip from its zero-padded copy
+      edge.assign(16 * d, c10::BFloat16(0.f));
+      for (int64_t r = 16 * full; r < nq; ++r)
+        std::copy(rows + r * ldq, rows + r * ldq + d, edge.data() + (r - 16 * full) * d);
+      product(1, [&](int64_t) { return edge.data(); }, d * 2, S + full * 16 * lds);
     }
     pending_scale = row_maxima(S, lds, nq, nk, scale, row_max);
     return true;
