@@ -270,8 +270,9 @@ void run(const Problem<T>& p, const gemm_driver::Kernel<TileFn<T>, kRows, kBlock
 // the group (in L2): the sums over whole 32-value steps of k on amx::tile_block (x's rows read in place, a
 // partial strip of 16 rows from a zero-padded copy; a packed block holds a step's 16 pair rows x 16 columns as
 // 1 KB), the rest of k on the AVX-512 tiles, then run's epilogue while the tile is in L1. Rows are shared
-// out where each thread gets 64 or more, else panels (a few rows: each thread reads only its part of the
-// weights).
+// out where each thread gets 128 or more, else panels: with fewer rows each thread reads only its part of
+// the weights (BERT-base's four GEMMs at 128 rows, weights not in cache: 14.5 ms against 16.8 with 64-row
+// shares, benchmarks/RESULTS.md).
 inline void run_amx(const Problem<c10::BFloat16>& p) {
   using T = c10::BFloat16;
   static const auto tail = gemm_driver::make_kernel<TileFn<T>, Tiles<T, true>::template Tile, 6, 2>();
@@ -282,7 +283,7 @@ inline void run_amx(const Problem<c10::BFloat16>& p) {
   const int64_t steps = p.k / 32, stride = p.block_stride() / kPack<T>;  // stride: words from block to block
   const uint32_t* packed = reinterpret_cast<const uint32_t*>(p.packed);
   const int64_t threads = at::get_num_threads(), panels = (blocks(p.n) + 1) / 2;
-  const int64_t row_shares = p.m >= 64 * threads ? threads : 1;
+  const int64_t row_shares = p.m >= 128 * threads ? threads : 1;
   const int64_t share = (p.m + row_shares - 1) / row_shares;
   int64_t groups = std::max<int64_t>(1, (panels * 32 * p.k * 2 + l2 / 4 - 1) / (l2 / 4));
   if (row_shares == 1) groups = (std::max(groups, threads) + threads - 1) / threads * threads;
