@@ -50,11 +50,13 @@ struct Scope {
 
 // C[kS strips x kN column tiles] (=|+=) sum over `steps` of A[strip][step] B[step][tile]: A strip s at
 // a[s] + 32 * step elements (row stride lda bytes), B tile n at b + step * b_step + n * b_next words (row
-// stride ldb bytes), C tile (s, n) at c + s * 16 rows + 16 * n (row stride ldc bytes).
+// stride ldb bytes, 16 rows of 64 contiguous bytes), C tile (s, n) at c + s * 16 rows + 16 * n (row stride
+// ldc bytes). `ahead` (or null): the next block's B, laid out as b is, fetched toward L2 a step at a time.
 template <int kS, int kN, bool kAdd>
 __attribute__((target("amx-tile,amx-bf16"))) void tile_block(const c10::BFloat16* const a[2], int64_t lda,
                                                               const uint32_t* b, int64_t b_step, int64_t b_next,
-                                                              int64_t ldb, int64_t steps, float* c, int64_t ldc) {
+                                                              int64_t ldb, int64_t steps, float* c, int64_t ldc,
+                                                              const uint32_t* ahead = nullptr) {
   float* c1 = c + 16 * (ldc / 4);
   if constexpr (kAdd) {
     _tile_loadd(0, c, ldc);
@@ -68,6 +70,13 @@ __attribute__((target("amx-tile,amx-bf16"))) void tile_block(const c10::BFloat16
     if constexpr (kS > 1 && kN > 1) _tile_zero(3);
   }
   for (int64_t t = 0; t < steps; ++t) {
+    if (ahead != nullptr) {
+      const char* next = reinterpret_cast<const char*>(ahead + t * b_step);
+      for (int line = 0; line < 1024; line += 64) {
+        _mm_prefetch(next + line, _MM_HINT_T1);
+        if constexpr (kN > 1) _mm_prefetch(next + 4 * b_next + line, _MM_HINT_T1);
+      }
+    }
     _tile_loadd(4, a[0] + 32 * t, lda);
     _tile_loadd(6, b + t * b_step, ldb);
     if constexpr (kS > 1) _tile_loadd(5, a[1] + 32 * t, lda);
@@ -86,11 +95,12 @@ __attribute__((target("amx-tile,amx-bf16"))) void tile_block(const c10::BFloat16
 // tile_block for `strips` (1 or 2) x `tiles` (1 or 2), chosen at run time.
 template <bool kAdd>
 void tile_block(int64_t strips, int64_t tiles, const c10::BFloat16* const a[2], int64_t lda, const uint32_t* b,
-                int64_t b_step, int64_t b_next, int64_t ldb, int64_t steps, float* c, int64_t ldc) {
-  if (strips > 1 && tiles > 1) tile_block<2, 2, kAdd>(a, lda, b, b_step, b_next, ldb, steps, c, ldc);
-  else if (strips > 1) tile_block<2, 1, kAdd>(a, lda, b, b_step, b_next, ldb, steps, c, ldc);
-  else if (tiles > 1) tile_block<1, 2, kAdd>(a, lda, b, b_step, b_next, ldb, steps, c, ldc);
-  else tile_block<1, 1, kAdd>(a, lda, b, b_step, b_next, ldb, steps, c, ldc);
+                int64_t b_step, int64_t b_next, int64_t ldb, int64_t steps, float* c, int64_t ldc,
+                const uint32_t* ahead = nullptr) {
+  if (strips > 1 && tiles > 1) tile_block<2, 2, kAdd>(a, lda, b, b_step, b_next, ldb, steps, c, ldc, ahead);
+  else if (strips > 1) tile_block<2, 1, kAdd>(a, lda, b, b_step, b_next, ldb, steps, c, ldc, ahead);
+  else if (tiles > 1) tile_block<1, 2, kAdd>(a, lda, b, b_step, b_next, ldb, steps, c, ldc, ahead);
+  else tile_block<1, 1, kAdd>(a, lda, b, b_step, b_next, ldb, steps, c, ldc, ahead);
 }
 
 }  // namespace amx
