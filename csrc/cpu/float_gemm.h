@@ -265,14 +265,14 @@ void run(const Problem<T>& p, const gemm_driver::Kernel<TileFn<T>, kRows, kBlock
 }
 
 #if defined(__x86_64__)
-// bfloat16 on AMX. Tasks: (a share of the rows) x (a group of 32-column panels whose weights take at most a
-// quarter of L2), a thread's tasks sharing its rows. In a task, 32 rows at a time (in L1) meet each panel of
-// the group (in L2): the sums over whole 32-value steps of k on amx::tile_block (x's rows read in place, a
-// partial strip of 16 rows from a zero-padded copy; a packed block holds a step's 16 pair rows x 16 columns as
-// 1 KB), the rest of k on the AVX-512 tiles, then run's epilogue while the tile is in L1. Rows are shared
-// out where each thread gets 128 or more, else panels: with fewer rows each thread reads only its part of
-// the weights (BERT-base's four GEMMs at 128 rows, weights not in cache: 14.5 ms against 16.8 with 64-row
-// shares, benchmarks/RESULTS.md).
+// bfloat16 on AMX. Tasks: (a share of the rows) x (a group of 32-column panels), a thread's tasks sharing
+// its rows. A block of 32 rows meets a panel: the sums over whole 32-value steps of k on amx::tile_block
+// (x's rows read in place, a partial strip of 16 rows from a zero-padded copy; a packed block holds a step's
+// 16 pair rows x 16 columns as 1 KB), the rest of k on the AVX-512 tiles, then run's epilogue while the tile
+// is in L1. Rows are shared out where each thread gets 128 or more, else panels: with fewer rows each thread
+// reads only its part of the weights. With weights not in cache (BERT-base's four GEMMs, 12 layers'
+// weights in turn) the order below and the fetch ahead took 128 rows from 16.8 ms to 12.3 (oneDNN 14.4-14.8),
+// 512 rows from 45.8 to 41.4 (oneDNN 49.6): benchmarks/RESULTS.md.
 inline void run_amx(const Problem<c10::BFloat16>& p) {
   using T = c10::BFloat16;
   static const auto tail = gemm_driver::make_kernel<TileFn<T>, Tiles<T, true>::template Tile, 6, 2>();
@@ -285,7 +285,11 @@ inline void run_amx(const Problem<c10::BFloat16>& p) {
   const int64_t threads = at::get_num_threads(), panels = (blocks(p.n) + 1) / 2;
   const int64_t row_shares = p.m >= 128 * threads ? threads : 1;
   const int64_t share = (p.m + row_shares - 1) / row_shares;
-  int64_t groups = std::max<int64_t>(1, (panels * 32 * p.k * 2 + l2 / 4 - 1) / (l2 / 4));
+  // Where a task's rows fit in half of L2 they stay there while the task's panels pass, each panel meeting
+  // all of the rows in turn (from L1 after the first 32), the next one fetched meanwhile; then one group
+  // of panels a thread. Else each 32 rows meet a group of panels that stays in L2.
+  const bool panels_outer = share * p.k * 2 <= l2 / 2;
+  int64_t groups = panels_outer ? 1 : std::max<int64_t>(1, (panels * 32 * p.k * 2 + l2 / 4 - 1) / (l2 / 4));
   if (row_shares == 1) groups = (std::max(groups, threads) + threads - 1) / threads * threads;
   groups = std::min(groups, panels);
   const int64_t per_group = (panels + groups - 1) / groups;
@@ -294,31 +298,39 @@ inline void run_amx(const Problem<c10::BFloat16>& p) {
     alignas(64) float sums[32 * 32];
     std::vector<T> edge;  // a partial strip's rows, zero-padded to 16
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t row_end = std::min(p.m, (task / groups + 1) * share);
-      const int64_t panel_end = std::min(panels, (task % groups + 1) * per_group);
-      for (int64_t r = task / groups * share; r < row_end; r += 32) {
+      const int64_t row0 = task / groups * share, row_end = std::min(p.m, row0 + share);
+      const int64_t panel0 = task % groups * per_group, panel_end = std::min(panels, panel0 + per_group);
+      const int64_t last = row0 + (row_end - row0 - 1) / 32 * 32;  // the last block of rows
+      if ((row_end - last) % 16 != 0 && steps > 0) {  // its last strip is partial: both strips from a padded copy
+        edge.assign(32 * steps * 32, T(0.f));
+        for (int64_t i = 0; i < row_end - last; ++i)
+          std::copy(p.x + (last + i) * p.k, p.x + (last + i) * p.k + 32 * steps, edge.data() + i * 32 * steps);
+      }
+      // Rows [r, r + 32) x panel: the tiles' sums, the rest of k, the epilogue.
+      const auto block_of = [&](int64_t r, int64_t panel) {
         const int64_t rows = std::min<int64_t>(32, row_end - r), strips = (rows + 15) / 16;
         const T* a[2] = {p.x + r * p.k, strips > 1 ? p.x + (r + 16) * p.k : nullptr};
         int64_t lda = p.k * 2;
-        if (rows % 16 != 0 && steps > 0) {  // the last strip is partial: both strips from one padded copy
-          edge.assign(32 * steps * 32, T(0.f));
-          for (int64_t i = 0; i < rows; ++i)
-            std::copy(p.x + (r + i) * p.k, p.x + (r + i) * p.k + 32 * steps, edge.data() + i * 32 * steps);
+        if (r == last && !edge.empty() && rows % 16 != 0)
           a[0] = edge.data(), a[1] = edge.data() + 16 * 32 * steps, lda = 32 * steps * 2;
-        }
-        for (int64_t panel = task % groups * per_group; panel < panel_end; ++panel) {
-          const int64_t block = 2 * panel, nb = std::min<int64_t>(2, blocks(p.n) - block);
-          // The task's first rows meet each panel first, from memory: meanwhile the next panel (2 whole
-          // blocks) is fetched (BERT-base's GEMMs at 128 rows, weights not in cache: 0.90-0.95x the time).
-          const bool fetch = r == task / groups * share && panel + 1 < panel_end && block + 3 < blocks(p.n);
-          if (steps > 0) amx::tile_block<false>(strips, nb, a, lda, packed + block * stride, 256, stride, 64, steps,
-                                                sums, 32 * 4, fetch ? packed + (block + 2) * stride : nullptr);
-          else std::fill(sums, sums + 32 * 32, 0.f);  // (k 0: the bias alone)
-          for (int64_t i = 0; i < rows && 32 * steps < p.k; i += 6)  // k past the whole steps, added to (or,
-            tail.table[std::min<int64_t>(6, rows - i) - 1][nb - 1](  // where there are none, written to) the sums
-                p, r + i, block, 32 * steps, p.k, sums + i * 32, 32);
-          epilogue(p, r, rows, block * kCols, std::min(nb * kCols, p.n - block * kCols), sums, 32);
-        }
+        const int64_t block = 2 * panel, nb = std::min<int64_t>(2, blocks(p.n) - block);
+        // The task's first rows meet each panel first, from memory: meanwhile the next panel (2 whole
+        // blocks) is fetched toward L2.
+        const bool fetch = r == row0 && panel + 1 < panel_end && block + 3 < blocks(p.n);
+        if (steps > 0) amx::tile_block<false>(strips, nb, a, lda, packed + block * stride, 256, stride, 64, steps,
+                                              sums, 32 * 4, fetch ? packed + (block + 2) * stride : nullptr);
+        else std::fill(sums, sums + 32 * 32, 0.f);  // (k 0: the bias alone)
+        for (int64_t i = 0; i < rows && 32 * steps < p.k; i += 6)  // k past the whole steps, added to (or,
+          tail.table[std::min<int64_t>(6, rows - i) - 1][nb - 1](  // where there are none, written to) the sums
+              p, r + i, block, 32 * steps, p.k, sums + i * 32, 32);
+        epilogue(p, r, rows, block * kCols, std::min(nb * kCols, p.n - block * kCols), sums, 32);
+      };
+      if (panels_outer) {
+        for (int64_t panel = panel0; panel < panel_end; ++panel)
+          for (int64_t r = row0; r < row_end; r += 32) block_of(r, panel);
+      } else {
+        for (int64_t r = row0; r < row_end; r += 32)
+          for (int64_t panel = panel0; panel < panel_end; ++panel) block_of(r, panel);
       }
     }
   });
