@@ -196,6 +196,29 @@ def test_only_the_chosen_variant_keeps_prepared_weights(tuned, monkeypatch):
     assert len(prepared) == 0  # the losing trial's packed copy is not kept
 
 
+@pytest.mark.parametrize("onednn_ms,expected", [(0.99, "torch"), (0.96, "onednn")])
+def test_the_builtin_stays_unless_another_variant_is_clearly_faster(tuned, monkeypatch, onednn_ms, expected):
+    skip_unless_runnable("dense", "cpu", torch.float32)
+    assert tuning.BUILTIN_MARGIN == 0.03
+    real = tuning._medians_ms
+    monkeypatch.setattr(tuning, "_medians_ms", lambda candidates, *rest: {
+        name: {"torch": 1.0, "onednn": onednn_ms}.get(name, 5.0) for name in real(candidates, *rest)})
+    x, weight, bias = torch.randn(256, 64), torch.randn(96, 64), torch.randn(96)
+    with torch.no_grad(), dispatch.record() as calls:
+        ops.dense(x, weight, bias)
+    assert {"onednn", "torch"} <= set(fp32_dense_variants()) and calls[0].variant == expected
+    (key, entry), = tuning.entries().items()
+    assert entry["choice"] == expected
+    # A cached entry is read by the same rule.
+    tuning._store(key, {"choice": "onednn", "ms": {**entry["ms"], "onednn": 0.99}})
+    tuning.forget()
+    dispatch._picked.clear()
+    monkeypatch.setattr(tuning, "_medians_ms", lambda *a: pytest.fail("measured again"))
+    with torch.no_grad(), dispatch.record() as calls:
+        ops.dense(x, weight, bias)
+    assert calls[0].variant == "torch"
+
+
 def test_info_lists_variants_and_measurements(tuned):
     skip_unless_runnable("dense", "cpu", torch.float32)
     from fastbert.info import variants_report
