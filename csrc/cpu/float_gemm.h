@@ -271,8 +271,8 @@ void run(const Problem<T>& p, const gemm_driver::Kernel<TileFn<T>, kRows, kBlock
 // 16 pair rows x 16 columns as 1 KB), the rest of k on the AVX-512 tiles, then run's epilogue while the tile
 // is in L1. Rows are shared out where each thread gets 128 or more, else panels: with fewer rows each thread
 // reads only its part of the weights. With weights not in cache (BERT-base's four GEMMs, 12 layers'
-// weights in turn) the order below and the fetch ahead took 128 rows from 16.8 ms to 12.3 (oneDNN 14.4-14.8),
-// 512 rows from 45.8 to 41.4 (oneDNN 49.6): benchmarks/RESULTS.md.
+// weights in turn) these shares, the order below and the fetch ahead took 128 rows from 16.8 ms to 12.3
+// (oneDNN 14.4-14.8) and 512 rows from 45.8 to 41.4 (oneDNN 49.6): benchmarks/RESULTS.md.
 inline void run_amx(const Problem<c10::BFloat16>& p) {
   using T = c10::BFloat16;
   static const auto tail = gemm_driver::make_kernel<TileFn<T>, Tiles<T, true>::template Tile, 6, 2>();
