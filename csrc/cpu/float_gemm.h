@@ -311,7 +311,7 @@ inline void run_amx(const Problem<c10::BFloat16>& p) {
         const int64_t rows = std::min<int64_t>(32, row_end - r), strips = (rows + 15) / 16;
         const T* a[2] = {p.x + r * p.k, strips > 1 ? p.x + (r + 16) * p.k : nullptr};
         int64_t lda = p.k * 2;
-        if (r == last && !edge.empty() && rows % 16 != 0)
+        if (r == last && rows % 16 != 0 && steps > 0)
           a[0] = edge.data(), a[1] = edge.data() + 16 * 32 * steps, lda = 32 * steps * 2;
         const int64_t block = 2 * panel, nb = std::min<int64_t>(2, blocks(p.n) - block);
         // The task's first rows meet each panel first, from memory: meanwhile the next panel (2 whole
