@@ -51,12 +51,14 @@ struct Scope {
 // C[kS strips x kN column tiles] (=|+=) sum over `steps` of A[strip][step] B[step][tile]: A strip s at
 // a[s] + 32 * step elements (row stride lda bytes), B tile n at b + step * b_step + n * b_next words (row
 // stride ldb bytes, 16 rows of 64 contiguous bytes), C tile (s, n) at c + s * 16 rows + 16 * n (row stride
-// ldc bytes). `ahead` (or null): the next block's B, laid out as b is, fetched toward L2 a step at a time.
+// ldc bytes). `ahead` (or null): bytes toward L2, `ahead_bytes` a step from each of kN streams b_next words
+// apart (the next block's B, laid out as b is, or a slice of it).
 template <int kS, int kN, bool kAdd>
 __attribute__((target("amx-tile,amx-bf16"))) void tile_block(const c10::BFloat16* const a[2], int64_t lda,
                                                               const uint32_t* b, int64_t b_step, int64_t b_next,
                                                               int64_t ldb, int64_t steps, float* c, int64_t ldc,
-                                                              const uint32_t* ahead = nullptr) {
+                                                              const uint32_t* ahead = nullptr,
+                                                              int64_t ahead_bytes = 1024) {
   float* c1 = c + 16 * (ldc / 4);
   if constexpr (kAdd) {
     _tile_loadd(0, c, ldc);
@@ -71,8 +73,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void tile_block(const c10::BFloat16
   }
   for (int64_t t = 0; t < steps; ++t) {
     if (ahead != nullptr) {
-      const char* next = reinterpret_cast<const char*>(ahead + t * b_step);
-      for (int line = 0; line < 1024; line += 64) {
+      const char* next = reinterpret_cast<const char*>(ahead) + t * ahead_bytes;
+      for (int64_t line = 0; line < ahead_bytes; line += 64) {
         _mm_prefetch(next + line, _MM_HINT_T1);
         if constexpr (kN > 1) _mm_prefetch(next + 4 * b_next + line, _MM_HINT_T1);
       }
@@ -96,11 +98,12 @@ __attribute__((target("amx-tile,amx-bf16"))) void tile_block(const c10::BFloat16
 template <bool kAdd>
 void tile_block(int64_t strips, int64_t tiles, const c10::BFloat16* const a[2], int64_t lda, const uint32_t* b,
                 int64_t b_step, int64_t b_next, int64_t ldb, int64_t steps, float* c, int64_t ldc,
-                const uint32_t* ahead = nullptr) {
-  if (strips > 1 && tiles > 1) tile_block<2, 2, kAdd>(a, lda, b, b_step, b_next, ldb, steps, c, ldc, ahead);
-  else if (strips > 1) tile_block<2, 1, kAdd>(a, lda, b, b_step, b_next, ldb, steps, c, ldc, ahead);
-  else if (tiles > 1) tile_block<1, 2, kAdd>(a, lda, b, b_step, b_next, ldb, steps, c, ldc, ahead);
-  else tile_block<1, 1, kAdd>(a, lda, b, b_step, b_next, ldb, steps, c, ldc, ahead);
+                const uint32_t* ahead = nullptr, int64_t ahead_bytes = 1024) {
+  const auto run = [&](auto block) { block(a, lda, b, b_step, b_next, ldb, steps, c, ldc, ahead, ahead_bytes); };
+  if (strips > 1 && tiles > 1) run(tile_block<2, 2, kAdd>);
+  else if (strips > 1) run(tile_block<2, 1, kAdd>);
+  else if (tiles > 1) run(tile_block<1, 2, kAdd>);
+  else run(tile_block<1, 1, kAdd>);
 }
 
 }  // namespace amx
