@@ -659,18 +659,20 @@ class Variant:
 class Variants:
     options: tuple[Variant, ...]  # the static default first
     bucket: Callable[..., tuple]  # the call's arguments -> its shape class: one measurement per class
+    weights: bool = False  # the op reads weights: inference calls are timed with them out of cache (tuning.evict)
 
 
 _VARIANTS: dict[tuple[str, str], Variants] = {}
 _picked: dict[tuple, Variant] = {}  # (selection key, bucket, training) -> the variant measured fastest
 
 
-def register_variants(op: str, backend: str, options, bucket) -> None:
+def register_variants(op: str, backend: str, options, bucket, weights: bool = False) -> None:
     """`backend`'s implementations of `op` (Variant, static default first) replace its registered
-    function at call time; `bucket(*args)` is a call's shape class."""
+    function at call time; `bucket(*args)` is a call's shape class; `weights`: the op reads a layer's
+    weights, which a model's forward meets out of cache, so inference calls are timed so."""
     if backend not in _REGISTRY[op]:
         raise ValueError(f"register {op}'s {backend} backend before its variants")
-    _VARIANTS[(op, backend)] = Variants(tuple(options), bucket)
+    _VARIANTS[(op, backend)] = Variants(tuple(options), bucket, weights)
     _choices.clear()
     _picked.clear()
     _generation[0] += 1
@@ -721,13 +723,16 @@ def _choose_variant(op: str, backend: str, usable: tuple[Variant, ...], key, arg
     if len(usable) == 1 or key is None or torch.compiler.is_compiling() or not tuning.enabled():
         return usable[0]
     training = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
-    bucket = _VARIANTS[(op, backend)].bucket(*args)
+    table = _VARIANTS[(op, backend)]
+    bucket = table.bucket(*args)
     picked = _picked.get((key, bucket, training))
     if picked is None:
         dtypes = "/".join(sorted({_dtype_name(d) for _, d in key[1] if d.is_floating_point}))
-        name = f"{op} {backend} {dtypes} {'train' if training else 'infer'} " + " ".join(map(str, bucket))
+        cold = table.weights and not training
+        phase = "train" if training else "infer cold" if cold else "infer"
+        name = f"{op} {backend} {dtypes} {phase} " + " ".join(map(str, bucket))
         with muted():  # the trial runs are not calls anyone made
-            best = tuning.choose(name, {v.name: v.fn for v in usable}, args, training)
+            best = tuning.choose(name, {v.name: v.fn for v in usable}, args, training, cold=cold)
         picked = _picked[(key, bucket, training)] = next(v for v in usable if v.name == best)
     return picked
 

@@ -158,15 +158,32 @@ def _run(fn, args, backward: bool) -> None:
         torch.autograd.grad(out.float().sum(), leaves, allow_unused=True)
 
 
-def _medians_ms(candidates: dict, args, backward: bool, repeats: int = REPEATS) -> dict[str, float]:
+_sweep: list[torch.Tensor] = []  # evict()'s buffer, made at its first use
+
+
+def evict() -> None:
+    """Push what the caches hold out to L3 or memory: a sweep over twice the L2s of the threads in use. A
+    model's forward meets each layer's weights there, after every other layer's passed through L2; timed
+    back to back, a GEMM would find them in L2 and look faster than it runs in a model."""
+    size = 2 * (cache_bytes(2) or 1 << 21) * torch.get_num_threads()
+    if not _sweep or _sweep[0].numel() * 4 < size:
+        _sweep[:] = [torch.ones(size // 4)]
+    _sweep[0].sum()
+
+
+def _medians_ms(candidates: dict, args, backward: bool, repeats: int = REPEATS,
+                cold: bool = False) -> dict[str, float]:
     """Each candidate's median ms over `repeats` calls, in alternating rounds: a disturbance that comes and
-    goes (another process's threads, the clock) falls on all of them, not on whichever ran first."""
+    goes (another process's threads, the clock) falls on all of them, not on whichever ran first. `cold`:
+    each call after evict()."""
     times = {name: [] for name in candidates}
     with torch.enable_grad() if backward else torch.no_grad():
         for fn in candidates.values():
             _run(fn, args, backward)  # warm-up: packing, first-touch allocations
         for _ in range(repeats):
             for name, fn in candidates.items():
+                if cold:
+                    evict()
                 start = time.perf_counter()
                 _run(fn, args, backward)
                 times[name].append(time.perf_counter() - start)
@@ -181,9 +198,10 @@ def fastest(times: dict[str, float]) -> str:
     return best
 
 
-def choose(key: str, candidates: dict, args, backward: bool, repeats: int = REPEATS) -> str:
+def choose(key: str, candidates: dict, args, backward: bool, repeats: int = REPEATS, cold: bool = False) -> str:
     """The name of the fastest of `candidates` ({name: fn}) for `key`: from the cache, or timed now on `args`
-    (forward and, with `backward`, the backward of the output's sum; `repeats` timed calls each)."""
+    (forward and, with `backward`, the backward of the output's sum; `repeats` timed calls each, with
+    `cold` each after evict())."""
     entry = entries().get(key)
     # Kept while it measured every one of these candidates (a variant added since, or newly usable, is
     # measured); the fastest of them, where this call can use fewer than were measured.
@@ -197,7 +215,7 @@ def choose(key: str, candidates: dict, args, backward: bool, repeats: int = REPE
     owners = [(a, a.snapshot()) for a in args if hasattr(a, "snapshot") and hasattr(a, "restore")]
     rng = torch.get_rng_state()
     try:
-        times = _medians_ms(candidates, args, backward, repeats)
+        times = _medians_ms(candidates, args, backward, repeats, cold)
     finally:
         torch.set_rng_state(rng)
         for owner, snapshot in owners:

@@ -104,6 +104,25 @@ def test_measuring_leaves_the_random_stream_as_it_was(tuned):
         assert torch.equal(torch.rand(4), after_measuring)
 
 
+def test_ops_that_read_weights_time_inference_with_the_caches_swept(tuned, monkeypatch):
+    # A model's forward meets each layer's weights out of cache; back-to-back trials would find them in L2.
+    # So every timed inference call of such an op comes after an eviction, and its entries say so.
+    swept = []
+    monkeypatch.setattr(tuning, "evict", lambda: swept.append(1))
+    bias = torch.randn(8)
+    with dispatch.scratch_registry():
+        _stand_ins([])
+        dispatch.register_variants("bias_gelu", "cpu", dispatch._VARIANTS[("bias_gelu", "cpu")].options,
+                                   lambda x, *_: (f"m{dispatch.size_class(x.shape[0])}",), weights=True)
+        ops.bias_gelu(torch.randn(6, 8), bias)
+        assert len(swept) == 2 * tuning.REPEATS
+        assert set(tuning.entries()) == {"bias_gelu cpu float32 infer cold m8"}
+        swept.clear()
+        x = torch.randn(6, 8, requires_grad=True)
+        ops.bias_gelu(x, bias).sum().backward()  # training: its activations are as hot as the trials'
+        assert not swept and "bias_gelu cpu float32 train m8" in tuning.entries()
+
+
 def test_without_tuning_the_static_default_runs(tuned, monkeypatch):
     monkeypatch.setenv("FASTBERT_CPU_TUNE", "0")
     with dispatch.scratch_registry():
@@ -232,7 +251,7 @@ def test_info_lists_variants_and_measurements(tuned):
                         r"fastbert( \(.*?\))?, onednn-rows( \(.*?\))?, onednn\+torch_backward( \(.*?\))?",
                         dense.strip()), dense
     assert "attention: fastbert, torch" in text
-    assert "dense cpu float32 infer m4 k16 n8 none" in text
+    assert "dense cpu float32 infer cold m4 k16 n8 none" in text
 
 
 def test_compiling_never_measures(tuned, monkeypatch):

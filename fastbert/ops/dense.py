@@ -310,7 +310,7 @@ dispatch.register_variants("dense", "cpu", (
     dispatch.Variant("fastbert", own_linear, own_reasons),
     dispatch.Variant("onednn-rows", onednn_rows, onednn_rows_reasons),
     dispatch.Variant("onednn+torch_backward", onednn_torch_backward, float32_training_reasons),
-), lambda x, weight, bias, activation, prepared: (*linear_class(x, weight), activation))
+), lambda x, weight, bias, activation, prepared: (*linear_class(x, weight), activation), weights=True)
 
 
 def onednn_linear(x, weight, bias, activation, prepared: PreparedWeights | None, pair=ONEDNN, per_thread=False):

@@ -64,7 +64,7 @@ dispatch.register_variants("qkv_projection", "cpu", (
     dispatch.Variant("onednn+torch_backward", lambda x, weight, bias, num_heads, prepared: head_major(
         onednn_torch_backward(x, weight, bias, "none", prepared, ONEDNN_TORCH_BACKWARD), num_heads),
         float32_training_reasons),
-), lambda x, weight, *_: linear_class(x, weight))
+), lambda x, weight, *_: linear_class(x, weight), weights=True)
 
 
 def head_major(qkv: torch.Tensor, num_heads: int):

@@ -311,4 +311,4 @@ dispatch.register_variants("quantized_dense", "cpu", (
     dispatch.Variant("onednn", _cpu, lambda facts: _onednn.missing("onednn", ("qlinear_prepack", "qlinear_pointwise"))
                      or onednn_inexact()),
     dispatch.Variant("fastbert", lambda *args: _cpu(*args, gemm=own_gemm_step(0))),
-), _shape_class)
+), _shape_class, weights=True)
