@@ -158,17 +158,22 @@ def _run(fn, args, backward: bool) -> None:
         torch.autograd.grad(out.float().sum(), leaves, allow_unused=True)
 
 
-_sweep: list[torch.Tensor] = []  # evict()'s buffer, made at its first use
+EVICT_CAP = 256 << 20  # evict()'s sweep at most: a server's whole L3 would cost more than it tells
 
 
-def evict() -> None:
-    """Push what the caches hold out to L3 or memory: a sweep over twice the L2s of the threads in use. A
-    model's forward meets each layer's weights there, after every other layer's passed through L2; timed
-    back to back, a GEMM would find them in L2 and look faster than it runs in a model."""
-    size = 2 * (cache_bytes(2) or 1 << 21) * torch.get_num_threads()
-    if not _sweep or _sweep[0].numel() * 4 < size:
-        _sweep[:] = [torch.ones(size // 4)]
-    _sweep[0].sum()
+def sweep_buffer() -> torch.Tensor:
+    """A buffer as large as the last-level cache (at most EVICT_CAP, at least twice the L2s of the threads
+    in use): evict() reads it."""
+    l2s = 2 * (cache_bytes(2) or 1 << 21) * torch.get_num_threads()
+    return torch.ones(min(max(cache_bytes(3) or 0, l2s), EVICT_CAP) // 4)
+
+
+def evict(sweep: torch.Tensor) -> None:
+    """Push what the caches hold out to memory by reading `sweep` (sweep_buffer()). A model's forward meets
+    each layer's weights after all the other layers' passed through the caches: BERT-base's 170 MB of
+    bfloat16 weights come from memory, where (a Xeon with AMX, 128 rows) the own GEMM runs the QKV
+    projection in 0.77x oneDNN's time and in L3 or L2 in 0.95-1.04x (benchmarks/RESULTS.md)."""
+    sweep.sum()
 
 
 def _medians_ms(candidates: dict, args, backward: bool, repeats: int = REPEATS,
@@ -177,13 +182,14 @@ def _medians_ms(candidates: dict, args, backward: bool, repeats: int = REPEATS,
     goes (another process's threads, the clock) falls on all of them, not on whichever ran first. `cold`:
     each call after evict()."""
     times = {name: [] for name in candidates}
+    sweep = sweep_buffer() if cold else None
     with torch.enable_grad() if backward else torch.no_grad():
         for fn in candidates.values():
             _run(fn, args, backward)  # warm-up: packing, first-touch allocations
         for _ in range(repeats):
             for name, fn in candidates.items():
-                if cold:
-                    evict()
+                if sweep is not None:
+                    evict(sweep)
                 start = time.perf_counter()
                 _run(fn, args, backward)
                 times[name].append(time.perf_counter() - start)

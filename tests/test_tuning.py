@@ -108,7 +108,7 @@ def test_ops_that_read_weights_time_inference_with_the_caches_swept(tuned, monke
     # A model's forward meets each layer's weights out of cache; back-to-back trials would find them in L2.
     # So every timed inference call of such an op comes after an eviction, and its entries say so.
     swept = []
-    monkeypatch.setattr(tuning, "evict", lambda: swept.append(1))
+    monkeypatch.setattr(tuning, "evict", lambda sweep: swept.append(sweep.numel()))
     bias = torch.randn(8)
     with dispatch.scratch_registry():
         _stand_ins([])
@@ -116,6 +116,7 @@ def test_ops_that_read_weights_time_inference_with_the_caches_swept(tuned, monke
                                    lambda x, *_: (f"m{dispatch.size_class(x.shape[0])}",), weights=True)
         ops.bias_gelu(torch.randn(6, 8), bias)
         assert len(swept) == 2 * tuning.REPEATS
+        assert min(swept) * 4 >= min(tuning.cache_bytes(3) or 0, tuning.EVICT_CAP)  # the whole last level
         assert set(tuning.entries()) == {"bias_gelu cpu float32 infer cold m8"}
         swept.clear()
         x = torch.randn(6, 8, requires_grad=True)
