@@ -5,7 +5,9 @@ torch's built-in), the fastest differs from CPU to CPU: on a Xeon with AMX torch
 attention on tiles and beats a kernel tuned on AMD; on AMD the reverse. So the first eager call of each
 (op, variant key) times every variant that can serve it on the call's own inputs, keeps the fastest, and
 writes it to a cache file per machine, so the next process never measures again. FASTBERT_CPU_TUNE=0 turns
-measuring off (each op's static default runs); FASTBERT_CACHE_DIR moves the cache.
+measuring off (each op's static default runs); FASTBERT_CACHE_DIR moves the cache. Ops that read a
+layer's weights time their inference calls each after a sweep of the caches (evict), since a model's
+forward meets those weights out of cache.
 """
 from __future__ import annotations
 
