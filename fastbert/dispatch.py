@@ -659,7 +659,8 @@ class Variant:
 class Variants:
     options: tuple[Variant, ...]  # the static default first
     bucket: Callable[..., tuple]  # the call's arguments -> its shape class: one measurement per class
-    weights: bool = False  # the op reads weights: inference calls are timed with them out of cache (tuning.evict)
+    weights: bool = False  # the op reads weights (its first argument the rows): inference calls are timed with
+    # them out of cache (tuning.evict, tuning.warm_all_but_weights)
 
 
 _VARIANTS: dict[tuple[str, str], Variants] = {}
@@ -669,7 +670,8 @@ _picked: dict[tuple, Variant] = {}  # (selection key, bucket, training) -> the v
 def register_variants(op: str, backend: str, options, bucket, weights: bool = False) -> None:
     """`backend`'s implementations of `op` (Variant, static default first) replace its registered
     function at call time; `bucket(*args)` is a call's shape class; `weights`: the op reads a layer's
-    weights, which a model's forward meets out of cache, so inference calls are timed so."""
+    weights, which a model's forward meets out of cache, so inference calls are timed so (its first
+    argument must be its rows [..., K]: tuning.warm_all_but_weights)."""
     if backend not in _REGISTRY[op]:
         raise ValueError(f"register {op}'s {backend} backend before its variants")
     _VARIANTS[(op, backend)] = Variants(tuple(options), bucket, weights)

@@ -178,11 +178,22 @@ def evict(sweep: torch.Tensor) -> None:
     sweep.sum()
 
 
+def warm_all_but_weights(fn, args: tuple) -> None:
+    """After evict(), warm again what a forward has warm when an op that reads weights runs: its rows (the
+    first argument, [..., K]: the op before just wrote them) and its Python and dispatch path, by a call of
+    `fn` on none of the rows, which reads no weights (cold, that path added ~200-300 us to each variant's
+    400-700: benchmarks/RESULTS.md). Nothing where the first argument is no tensor."""
+    rows = args[0]
+    if isinstance(rows, torch.Tensor) and rows.dim() > 0:
+        rows.sum()
+        fn(rows.reshape(-1, rows.shape[-1])[:0], *args[1:])
+
+
 def _medians_ms(candidates: dict, args, backward: bool, repeats: int = REPEATS,
                 cold: bool = False) -> dict[str, float]:
     """Each candidate's median ms over `repeats` calls, in alternating rounds: a disturbance that comes and
     goes (another process's threads, the clock) falls on all of them, not on whichever ran first. `cold`:
-    each call after evict()."""
+    each call after evict() and warm_all_but_weights()."""
     times = {name: [] for name in candidates}
     sweep = sweep_buffer() if cold else None
     with torch.enable_grad() if backward else torch.no_grad():
@@ -192,6 +203,7 @@ def _medians_ms(candidates: dict, args, backward: bool, repeats: int = REPEATS,
             for name, fn in candidates.items():
                 if sweep is not None:
                     evict(sweep)
+                    warm_all_but_weights(fn, args)
                 start = time.perf_counter()
                 _run(fn, args, backward)
                 times[name].append(time.perf_counter() - start)

@@ -105,23 +105,35 @@ def test_measuring_leaves_the_random_stream_as_it_was(tuned):
 
 
 def test_ops_that_read_weights_time_inference_with_the_caches_swept(tuned, monkeypatch):
-    # A model's forward meets each layer's weights out of cache; back-to-back trials would find them in L2.
-    # So every timed inference call of such an op comes after an eviction, and its entries say so.
-    swept = []
-    monkeypatch.setattr(tuning, "evict", lambda sweep: swept.append(sweep.numel()))
+    # A model's forward meets each layer's weights out of cache, its Python path warm; back-to-back trials
+    # would find the weights in L2. So every timed inference call of such an op comes after an eviction and
+    # a call of the same variant on no rows, and its entries say so.
+    log = []
+    monkeypatch.setattr(tuning, "evict", lambda sweep: log.append(("sweep", sweep.numel())))
+
+    def variant(name):
+        def fn(x, bias, approximate):
+            log.append((name, x.shape[0]))
+            return torch.nn.functional.gelu(x + bias, approximate=approximate)
+        return dispatch.Variant(name, fn)
+
     bias = torch.randn(8)
     with dispatch.scratch_registry():
-        _stand_ins([])
-        dispatch.register_variants("bias_gelu", "cpu", dispatch._VARIANTS[("bias_gelu", "cpu")].options,
+        dispatch.register("bias_gelu", "cpu", dispatch.Support(("cpu",), (torch.float32,)))(lambda *a: None)
+        dispatch.register_variants("bias_gelu", "cpu", (variant("a"), variant("b")),
                                    lambda x, *_: (f"m{dispatch.size_class(x.shape[0])}",), weights=True)
         ops.bias_gelu(torch.randn(6, 8), bias)
-        assert len(swept) == 2 * tuning.REPEATS
-        assert min(swept) * 4 >= min(tuning.cache_bytes(3) or 0, tuning.EVICT_CAP)  # the whole last level
+        assert log[:2] == [("a", 6), ("b", 6)]  # the warm-up calls
+        timed = [log[i:i + 3] for i in range(2, len(log) - 1, 3)]
+        assert len(timed) == 2 * tuning.REPEATS and log[-1] in (("a", 6), ("b", 6))  # (the call itself)
+        for (sweep, size), (empty, rows), call in timed:
+            assert sweep == "sweep" and size * 4 >= min(tuning.cache_bytes(3) or 0, tuning.EVICT_CAP)
+            assert rows == 0 and call == (empty, 6)
         assert set(tuning.entries()) == {"bias_gelu cpu float32 infer cold m8"}
-        swept.clear()
+        log.clear()
         x = torch.randn(6, 8, requires_grad=True)
         ops.bias_gelu(x, bias).sum().backward()  # training: its activations are as hot as the trials'
-        assert not swept and "bias_gelu cpu float32 train m8" in tuning.entries()
+        assert ("sweep", log[0][1] if log else 0) not in log and "bias_gelu cpu float32 train m8" in tuning.entries()
 
 
 def test_without_tuning_the_static_default_runs(tuned, monkeypatch):
