@@ -221,7 +221,7 @@ def fastest(times: dict[str, float]) -> str:
 def choose(key: str, candidates: dict, args, backward: bool, repeats: int = REPEATS, cold: bool = False) -> str:
     """The name of the fastest of `candidates` ({name: fn}) for `key`: from the cache, or timed now on `args`
     (forward and, with `backward`, the backward of the output's sum; `repeats` timed calls each, with
-    `cold` each after evict())."""
+    `cold` each after evict() and warm_all_but_weights())."""
     entry = entries().get(key)
     # Kept while it measured every one of these candidates (a variant added since, or newly usable, is
     # measured); the fastest of them, where this call can use fewer than were measured.
