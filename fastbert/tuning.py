@@ -192,8 +192,12 @@ def warm_all_but_weights(fn, args: tuple) -> None:
 def _medians_ms(candidates: dict, args, backward: bool, repeats: int = REPEATS,
                 cold: bool = False) -> dict[str, float]:
     """Each candidate's median ms over `repeats` calls, in alternating rounds: a disturbance that comes and
-    goes (another process's threads, the clock) falls on all of them, not on whichever ran first. `cold`:
-    each call after evict() and warm_all_but_weights()."""
+    goes (another process's threads, the clock) falls on all of them, not on whichever ran first. Each timed
+    call comes right after an untimed one of the same candidate, so that it gets back the memory its own
+    outputs just freed, as an op does from one layer to the next: after another candidate's frees the
+    allocator may have returned those pages to the OS, and the timed call paid for faulting them in again
+    (own GEMM, bf16 8192 x 384 -> 1536: 34.5 ms after torch's variant, 26 alone; benchmarks/RESULTS.md).
+    `cold`: each timed call after evict() and warm_all_but_weights()."""
     times = {name: [] for name in candidates}
     sweep = sweep_buffer() if cold else None
     with torch.enable_grad() if backward else torch.no_grad():
@@ -201,6 +205,7 @@ def _medians_ms(candidates: dict, args, backward: bool, repeats: int = REPEATS,
             _run(fn, args, backward)  # warm-up: packing, first-touch allocations
         for _ in range(repeats):
             for name, fn in candidates.items():
+                _run(fn, args, backward)
                 if sweep is not None:
                     evict(sweep)
                     warm_all_but_weights(fn, args)

@@ -49,8 +49,9 @@ def test_the_fastest_variant_is_measured_once_and_cached(tuned, monkeypatch):
         with dispatch.record() as calls:
             first = ops.bias_gelu(x, bias)
         assert [(c, c.variant) for c in calls] == [(("bias_gelu", "cpu"), "fast")]
-        # Measured both, in alternating rounds after a warm-up call each, then ran fast.
-        assert ran == ["slow", "fast"] * (tuning.REPEATS + 1) + ["fast"]
+        # Measured both after a warm-up call each, in alternating rounds of an untimed and a timed call each,
+        # then ran fast.
+        assert ran == ["slow", "fast"] + ["slow", "slow", "fast", "fast"] * tuning.REPEATS + ["fast"]
         assert torch.equal(first, torch.nn.functional.gelu(x + bias))
         saved = json.loads((tuned / "variants.json").read_text())[tuning.machine()]
         (key, entry), = saved.items()
@@ -79,7 +80,7 @@ def test_an_entry_that_measured_other_variants_is_measured_again(tuned):
         tuning.forget()
         with dispatch.record() as calls:
             ops.bias_gelu(x, bias)
-        assert calls[0].variant == "fast" and ran.count("slow") == tuning.REPEATS + 1
+        assert calls[0].variant == "fast" and ran.count("slow") == 2 * tuning.REPEATS + 1
         assert set(tuning.entries()["bias_gelu cpu float32 infer m8"]["ms"]) == {"slow", "fast"}
         # Measured with one more than this call may use (a kind of call the key does not tell apart):
         # the fastest of those it may use, measured nothing.
@@ -97,7 +98,7 @@ def test_measuring_leaves_the_random_stream_as_it_was(tuned):
     with dispatch.scratch_registry():
         _stand_ins([])
         torch.manual_seed(7)
-        ops.bias_gelu(x, bias)  # measures: 2 x (1 + REPEATS) trial calls
+        ops.bias_gelu(x, bias)  # measures: 2 x (1 + 2 REPEATS) trial calls
         after_measuring = torch.rand(4)
         torch.manual_seed(7)
         ops.bias_gelu(x, bias)  # cached
@@ -106,8 +107,9 @@ def test_measuring_leaves_the_random_stream_as_it_was(tuned):
 
 def test_ops_that_read_weights_time_inference_with_the_caches_swept(tuned, monkeypatch):
     # A model's forward meets each layer's weights out of cache, its Python path warm; back-to-back trials
-    # would find the weights in L2. So every timed inference call of such an op comes after an eviction and
-    # a call of the same variant on no rows, and its entries say so.
+    # would find the weights in L2. So every timed inference call of such an op comes after an untimed call
+    # of the same variant (its memory back from the allocator), an eviction and a call of the same variant on
+    # no rows, and its entries say so.
     log = []
     monkeypatch.setattr(tuning, "evict", lambda sweep: log.append(("sweep", sweep.numel())))
 
@@ -124,16 +126,19 @@ def test_ops_that_read_weights_time_inference_with_the_caches_swept(tuned, monke
                                    lambda x, *_: (f"m{dispatch.size_class(x.shape[0])}",), weights=True)
         ops.bias_gelu(torch.randn(6, 8), bias)
         assert log[:2] == [("a", 6), ("b", 6)]  # the warm-up calls
-        timed = [log[i:i + 3] for i in range(2, len(log) - 1, 3)]
+        timed = [log[i:i + 4] for i in range(2, len(log) - 1, 4)]
         assert len(timed) == 2 * tuning.REPEATS and log[-1] in (("a", 6), ("b", 6))  # (the call itself)
-        for (sweep, size), (empty, rows), call in timed:
+        assert [round_[0][0] for round_ in timed] == ["a", "b"] * tuning.REPEATS  # alternating
+        for before, (sweep, size), (empty, rows), call in timed:
             assert sweep == "sweep" and size * 4 >= min(tuning.cache_bytes(3) or 0, tuning.EVICT_CAP)
-            assert rows == 0 and call == (empty, 6)
+            assert before == call == (empty, 6) and rows == 0
         assert set(tuning.entries()) == {"bias_gelu cpu float32 infer cold m8"}
         log.clear()
         x = torch.randn(6, 8, requires_grad=True)
         ops.bias_gelu(x, bias).sum().backward()  # training: its activations are as hot as the trials'
         assert log and all(kind != "sweep" for kind, _ in log) and "bias_gelu cpu float32 train m8" in tuning.entries()
+        rounds = log[2:-1]  # after the warm-ups, before the call itself: untimed and timed calls in pairs
+        assert len(rounds) == 4 * tuning.REPEATS and rounds[0::2] == rounds[1::2]
 
 
 def test_without_tuning_the_static_default_runs(tuned, monkeypatch):
