@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The one script to run on a lent GPU (DESIGN.md: "Testing without a GPU"). Stages, each bounded by its
-# own timeout (they add up to under 7 minutes) and each leaving a log, JUnit XML where it runs tests, and a line
-# in $OUT/summary.txt, so a stage cut short still leaves what it found:
-#   environment, build (sm_90 unless FASTBERT_CUDA_ARCHS says otherwise), cuda parity, triton parity (in
-#   parallel processes), kernel benchmarks, a short end-to-end bench.
+# own timeout (they add up to under 10 minutes; the first H200 run, 2026-12-04, took 5.3) and each leaving a
+# log, JUnit XML where it runs tests, and a line in $OUT/summary.txt, so a stage cut short still leaves what
+# it found: environment and the card's two ceilings, build (sm_90 unless FASTBERT_CUDA_ARCHS says otherwise),
+# cuda parity, triton parity (in parallel processes), a short end-to-end bench, where the time goes
+# (benchmarks/gpu_profile.py), kernel benchmarks. The logs go to $OUT/logs, packed into $OUT/logs.tar.gz at
+# the end (the device tool returns at most 8 files).
 #   usage: bash benchmarks/gpu_check.sh             (device tool: OUT is set; elsewhere benchmarks/out/gpu)
 #          bash benchmarks/gpu_check.sh --dry-run   (any machine: each stage's selection under a fake GPU)
 set -uo pipefail
@@ -35,7 +37,7 @@ tests() {
   note "$name: $(tail -1 "$LOGS/$name.log")$([ $rc = 124 ] && echo " (cut at ${limit} s)")"
 }
 
-step "environment and ceilings" 40
+step "environment and ceilings" 30
 { $PY -c "import sys, torch; print('python', sys.version.split()[0], '| torch', torch.__version__, '| cuda', torch.version.cuda, '|', torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
   $PY -c "import triton; print('triton', triton.__version__)" 2>&1 | tail -1
   $PY -c "from torch.utils.cpp_extension import CUDA_HOME; print('CUDA_HOME', CUDA_HOME)"
@@ -55,7 +57,7 @@ def median_ms(fn, n=20):
     return sorted(times)[n // 2]
 x = torch.randn(2**30 // 4, device="cuda"); y = torch.empty_like(x)
 ms = median_ms(lambda: y.copy_(x))
-print(f"ceiling: copy {2 * x.numel() * 4 / ms / 1e9:.0f} GB/s (1 GiB read + written, {ms:.3f} ms)")
+print(f"ceiling: copy {2 * x.numel() * 4 / ms / 1e9:.2f} TB/s (1 GiB read + written, {ms:.3f} ms)")
 for dtype, n in ((torch.bfloat16, 8192), (torch.float32, 8192)):
     a, b = torch.randn(n, n, device="cuda", dtype=dtype), torch.randn(n, n, device="cuda", dtype=dtype)
     ms = median_ms(lambda: a @ b)
@@ -63,13 +65,13 @@ for dtype, n in ((torch.bfloat16, 8192), (torch.float32, 8192)):
           f"{torch.backends.cuda.matmul.allow_tf32})")
 EOF
 
-step "build fastbert._C" 150
+step "build fastbert._C" 120
 BUILT=0
 if [ $DRY = 1 ]; then
   note "build: skipped (dry run)"
 else
   # sm_90 only (the H200), ninja running nvcc and the C++ compiler on every core.
-  FASTBERT_CUDA_ARCHS=${FASTBERT_CUDA_ARCHS:-90} MAX_JOBS=$(nproc) timeout 150 \
+  FASTBERT_CUDA_ARCHS=${FASTBERT_CUDA_ARCHS:-90} MAX_JOBS=$(nproc) timeout 120 \
     $PY -m pip install --no-build-isolation --no-deps -e . > "$LOGS/build.log" 2>&1
   note "build: exit $? (log: build.log)"
   # Without a toolkit setup.py builds CPU-only and every cuda test would skip: with nvcc present, that is
@@ -96,11 +98,11 @@ fi
 $PY -c "import fastbert.kernels" 2>/dev/null || ln -sfn ../kernels fastbert/kernels
 $PY -m fastbert info > "$LOGS/info.txt" 2>&1
 
-step "parity on CUDA: the cuda backend, ops and model, against the float64 reference" 80
+step "parity on CUDA: the cuda backend, ops and model, against the float64 reference" 100
 XDIST=(); [ $DRY = 0 ] && $PY -c "import xdist" 2>/dev/null && XDIST=(-n 8)
-if [ $DRY = 0 ] && [ $BUILT = 0 ]; then note "cuda: not run (no CUDA build)"; else tests cuda 80 "${XDIST[@]}" -k "cuda and not properties and not emulated" tests/ops tests/test_model.py tests/test_build.py; fi
+if [ $DRY = 0 ] && [ $BUILT = 0 ]; then note "cuda: not run (no CUDA build)"; else tests cuda 100 "${XDIST[@]}" -k "cuda and not properties and not emulated" tests/ops tests/test_model.py tests/test_build.py; fi
 
-step "parity on CUDA: the triton backend, in parallel processes" 140
+step "parity on CUDA: the triton backend, in parallel processes" 130
 # A cold Triton cache compiles each kernel specialization once: ~290 for this selection (counted under the
 # interpreter, 2026-12-03: attention alone 108 in fp32 and fp16, ~160 with bf16), too many for one process
 # in 100 s. pytest-xdist (in the GPU image) spreads the tests over every core, which share the on-disk
@@ -108,32 +110,40 @@ step "parity on CUDA: the triton backend, in parallel processes" 140
 # process per op file.
 TRITON_FILES="$(ls tests/ops/test_*.py | grep -v quantized_dense) tests/test_model.py"  # (no triton int8 yet)
 if [ $DRY = 0 ] && $PY -c "import xdist" 2>/dev/null; then
-  tests triton 140 -n "$(nproc)" -k "triton and not properties" $TRITON_FILES
+  tests triton 130 -n "$(nproc)" -k "triton and not properties" $TRITON_FILES
 else
   pids=()
   for f in $TRITON_FILES; do
-    tests "triton-$(basename "$f" .py)" 140 -k "triton and not properties" "$f" &
+    tests "triton-$(basename "$f" .py)" 130 -k "triton and not properties" "$f" &
     pids+=($!)
   done
   wait "${pids[@]}"
 fi
 
-step "kernel benchmarks on CUDA (each backend beside torch's built-in and the reference)" 90
-if [ $DRY = 1 ]; then
-  tests kernels 90 benchmarks
-else
-  timeout 90 $PY -m pytest -q -p no:cacheprovider benchmarks --benchmark-columns=median,iqr,rounds \
-    --benchmark-group-by=group --benchmark-sort=name --benchmark-json="$LOGS/kernels.json" > "$LOGS/kernels.log" 2>&1
-  note "kernels: $(tail -1 "$LOGS/kernels.log")"
-fi
-
-step "end to end on CUDA: fastbert against transformers and torch's nested encoder" 60
+step "end to end on CUDA: fastbert against transformers and torch's nested encoder" 80
 if [ $DRY = 1 ]; then
   note "bench: skipped (dry run)"
 else
-  timeout 60 $PY -m fastbert bench --device cuda --models base --dtypes bf16 --shapes 8x128,64x128,ragged32 \
+  timeout 80 $PY -m fastbert bench --device cuda --models base --dtypes bf16,fp32 --shapes 8x128,8x512,ragged32 \
     --competitors fastbert,hf-sdpa,nested --rounds 5 --out "$LOGS" > "$LOGS/bench.log" 2>&1
   note "bench: exit $? (table in bench.log)"
+fi
+
+step "where the time goes: host cost a call, graph replay, GEMM tiles, C++ errors" 90
+if [ $DRY = 1 ]; then
+  note "profile: skipped (dry run)"
+else
+  timeout 90 $PY benchmarks/gpu_profile.py > "$LOGS/profile.log" 2>&1
+  note "profile: exit $? (profile.log)"
+fi
+
+step "kernel benchmarks on CUDA (each backend beside torch's built-in and the reference)" 40
+if [ $DRY = 1 ]; then
+  tests kernels 40 benchmarks
+else
+  timeout 40 $PY -m pytest -q -p no:cacheprovider benchmarks --benchmark-columns=median,iqr,rounds \
+    --benchmark-group-by=group --benchmark-sort=name --benchmark-json="$LOGS/kernels.json" > "$LOGS/kernels.log" 2>&1
+  note "kernels: $(tail -1 "$LOGS/kernels.log")"
 fi
 
 note "stage limits add up to $BUDGET s"

@@ -59,33 +59,34 @@ def _gemm_epilogue_kernel(
     tl.store(y_ptr + out_rows[:, None] + out_cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _blocks(x):
+def _tiles(x):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)."""
     if x.is_cuda:
-        return 64, 64, 32, 4
-    return 32, 32, 32, 1  # the interpreter: small tiles keep it quick
+        return 64, 64, 32, 4, 3
+    return 32, 32, 32, 1, 1  # the interpreter: small tiles keep it quick
 
 
 def gemm_epilogue(x2d, weight, bias, out, activation, rows_per_group, stride_group, stride_row,
-                  cols_per_part, cols_per_head, stride_part, stride_head):
+                  cols_per_part, cols_per_head, stride_part, stride_head, tiles=None):
     """act(x2d [M, K] @ weight [N, K].T + bias) into `out`, element (m, n) at the offset the row split
     (rows_per_group, stride_group, stride_row) and column split (cols_per_part, cols_per_head, stride_part,
-    stride_head) give: the kernel's layout arguments."""
+    stride_head) give: the kernel's layout arguments. `tiles` overrides _tiles' choice (benchmarks)."""
     m, k = x2d.shape
     n = weight.shape[0]
-    block_m, block_n, block_k, warps = _blocks(x2d)
+    block_m, block_n, block_k, warps, stages = tiles or _tiles(x2d)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     with on_device_of(x2d):
         _gemm_epilogue_kernel[grid](
             x2d, weight, bias if bias is not None else weight, out, m, n, k, x2d.stride(0), weight.stride(0),
             rows_per_group, stride_group, stride_row, cols_per_part, cols_per_head, stride_part, stride_head,
             HAS_BIAS=bias is not None, ACTIVATION=ACTIVATIONS[activation], IEEE=x2d.dtype.is_floating_point and x2d.element_size() == 4,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
         )
 
 
-def dense(x2d, weight, bias, activation, out):
+def dense(x2d, weight, bias, activation, out, tiles=None):
     """out [M, N] (contiguous) = act(x2d [M, K] @ weight [N, K].T + bias [N])."""
     m, n = x2d.shape[0], weight.shape[0]
     gemm_epilogue(x2d, weight, bias, out, activation, rows_per_group=max(m, 1), stride_group=0, stride_row=n,
-                  cols_per_part=n, cols_per_head=n, stride_part=0, stride_head=0)
+                  cols_per_part=n, cols_per_head=n, stride_part=0, stride_head=0, tiles=tiles)
     return out
