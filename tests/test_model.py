@@ -116,10 +116,8 @@ def test_kernel_backend_matches_reference_model(backend, dtype):
     from fastbert.testing import assert_close, grad_floor
     from grids import skip_unless_runnable
 
-    # Each op on `backend`; cuda has no GEMM kernels of its own, so its model runs the GEMMs on triton.
-    gemms = ("dense", "qkv_projection")
-    backends = {op: "triton" if backend == "cuda" and op in gemms else backend
-                for op in fastbert.dispatch.OPS if op != "quantized_dense"}  # int8 models only
+    # Each op on `backend` (cuda's GEMMs are cuBLAS's, through torch).
+    backends = {op: backend for op in fastbert.dispatch.OPS if op != "quantized_dense"}  # int8 models only
     device = "cpu"
     for op, serving in backends.items():
         if op != "varlen_attention":

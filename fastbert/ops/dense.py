@@ -373,3 +373,18 @@ TRITON = SPEC.kernels("triton", _triton_forward, triton_linear_backward, "triton
 @dispatch.register("dense", "triton", dispatch.Support(("cuda", "cpu"), (torch.float16, torch.bfloat16, torch.float32)))
 def _triton(x, weight, bias, activation, prepared):
     return TRITON(x, weight, bias, activation)
+
+
+# ---------------------------------------------------------------------- cuda: cuBLAS, through torch
+
+
+# A GPU's linears run on cuBLAS (torch's F.linear, then GELU), as the cpu backend's run on oneDNN: the Triton
+# GEMM above took 1.7-6.5x cuBLAS's time at every BERT shape on an H200 (benchmarks/RESULTS.md, twenty-second
+# session). Named "torch" as the cpu backend's built-in variant is: torch's autograd differentiates it.
+@dispatch.register("dense", "cuda", dispatch.Support(("cuda",), (torch.float16, torch.bfloat16, torch.float32)))
+def _cuda(x, weight, bias, activation, prepared):
+    return torch_linear(x, weight, bias, activation)
+
+
+dispatch.register_variants("dense", "cuda", (dispatch.Variant("torch", _cuda),),
+                           lambda x, weight, bias, activation, prepared: (*linear_class(x, weight), activation))

@@ -122,3 +122,15 @@ TRITON = SPEC.kernels("triton", _triton_forward, _triton_backward, "triton")
 @dispatch.register("qkv_projection", "triton", dispatch.Support(("cuda", "cpu"), (torch.float16, torch.bfloat16, torch.float32)))
 def _triton(x, weight, bias, num_heads, prepared):
     return TRITON(x, weight, bias, num_heads).unbind(0)
+
+
+# ------------------------------------------------------- cuda: cuBLAS, through torch (see dense's cuda)
+
+
+@dispatch.register("qkv_projection", "cuda", dispatch.Support(("cuda",), (torch.float16, torch.bfloat16, torch.float32)))
+def _cuda(x, weight, bias, num_heads, prepared):
+    return head_major(torch_linear(x, weight, bias), num_heads)
+
+
+dispatch.register_variants("qkv_projection", "cuda", (dispatch.Variant("torch", _cuda),),
+                           lambda x, weight, *_: linear_class(x, weight))
