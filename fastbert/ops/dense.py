@@ -380,7 +380,8 @@ def _triton(x, weight, bias, activation, prepared):
 
 # A GPU's linears run on cuBLAS (torch's F.linear, then GELU), as the cpu backend's run on oneDNN: the Triton
 # GEMM above took 1.7-6.5x cuBLAS's time at every BERT shape on an H200 (benchmarks/RESULTS.md, twenty-second
-# session). Named "torch" as the cpu backend's built-in variant is: torch's autograd differentiates it.
+# session). Named "torch" as the cpu backend's built-in variant is: torch's autograd differentiates it. float32
+# follows torch's matmul precision setting (its default, no TF32, is what fastbert's fp32 tolerance needs).
 @dispatch.register("dense", "cuda", dispatch.Support(("cuda",), (torch.float16, torch.bfloat16, torch.float32)))
 def _cuda(x, weight, bias, activation, prepared):
     return torch_linear(x, weight, bias, activation)
