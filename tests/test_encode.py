@@ -1,5 +1,6 @@
 """fastbert.encode and `python -m fastbert encode`: sentence-transformers' embeddings, in input order,
 token-budget batches, resumable sharded output, clear errors for bad input."""
+import copy
 import json
 import os
 import re
@@ -110,6 +111,34 @@ def test_cpu_runs_the_budget_in_forwards_of_the_measured_width(minilm, monkeypat
     embeddings = torch.cat([e for _, e in windows])
     assert len(seen) > 1 and max(seen) <= 256  # (no sentence here is longer than 256 tokens)
     assert_matches(embeddings, fastbert.encode(model, SENTENCES[:60], tokenizer, batch_tokens=10**6), name="embeddings")
+
+
+def word_tokenizer(directory):
+    """A WordPiece tokenizer over the words of SENTENCES: no checkpoint needed (the GPU machine has none)."""
+    import transformers
+
+    words = sorted({w for line in SENTENCES for w in re.findall(r"\w+|[^\w\s]", line.lower())})
+    vocab = directory / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n", encoding="utf-8")
+    return transformers.BertTokenizerFast(vocab_file=str(vocab))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_encode_equals_cpu_on_gpu_kernels(tmp_path):
+    """On a GPU: every op on a GPU backend, the embeddings in input order equal to the CPU's in float32,
+    and a bfloat16 model's close to them."""
+    tokenizer = word_tokenizer(tmp_path)
+    torch.manual_seed(0)
+    model = fastbert.BertModel(fastbert.BertConfig.tiny(vocab_size=len(tokenizer))).eval()
+    want = fastbert.encode(model, TEXTS, tokenizer, batch_tokens=2000)
+    gpu = copy.deepcopy(model).cuda()
+    with fastbert.dispatch.record() as calls:
+        got = fastbert.encode(gpu, TEXTS, tokenizer, batch_tokens=2000)
+    assert calls and {c.backend for c in calls} <= {"cuda", "triton"}, sorted(set(calls))
+    assert got.device.type == "cpu" and got.shape == want.shape
+    assert_matches(got, want, name="embeddings")
+    bf16 = fastbert.encode(gpu.to(torch.bfloat16), TEXTS, tokenizer, batch_tokens=2000)
+    assert (bf16 * want).sum(-1).min() >= INT8.sentence_cosine
 
 
 def test_bad_arguments_are_named(minilm):
