@@ -3,8 +3,9 @@ variant) against oneDNN's packed GEMM (their `onednn` variant), alternating in o
 
 1. the four linears of BERT-base (h768) and MiniLM (h384) at 16, 128 and 1024 rows, bias (and GELU on FFN
    in) included, each on its kept packed weight;
-2. whole forwards (plans replaying, one C++ call a layer) with every linear on one or the other; shapes
-   as `python -m fastbert bench` makes them (ragged32: 32 sentences of 16-128 tokens).
+2. whole forwards (plans replaying, one C++ call a layer) with every linear on one or the other, and with
+   each linear on the variant tuning picked for it alone (run with an empty FASTBERT_CACHE_DIR to measure
+   afresh); shapes as `python -m fastbert bench` makes them (ragged32: 32 sentences of 16-128 tokens).
 
     .venv/bin/python benchmarks/own_gemm.py [--dtypes fp32,bf16] [--rows 16,128,1024]
                                             [--models base:1x128,minilm:1x16,base:8x128,base:ragged32]
@@ -64,8 +65,9 @@ def gemms(dtype, rows_list):
 
 
 def forwards(dtype, specs):
-    """Each model twice, its linears' variant chosen as `onednn` or `fastbert` while its plans record (tuning's
-    choice replaced, so the plans, and the one call a layer, stay on), then timed alternating."""
+    """Each model three times, its linears' variant chosen as `onednn` or `fastbert` while its plans record
+    (tuning's choice replaced, so the plans, and the one call a layer, stay on), or as tuning picks them
+    op by op (`tuned`), then timed alternating."""
     real = dispatch._choose_variant
     for spec in specs:
         name, shape = spec.split(":")
@@ -76,11 +78,11 @@ def forwards(dtype, specs):
             base = fastbert.BertModel(fastbert.BertConfig.base()).eval().to(DTYPES[dtype])
         ids, mask = make_batch(shape, base.config.vocab_size)
         models, outputs = {}, {}
-        for variant in ("onednn", "fastbert"):
+        for variant in ("onednn", "fastbert", "tuned"):
             model = copy.deepcopy(base)
 
             def chosen(op, backend, usable, key, args, variant=variant):
-                if op in ("dense", "qkv_projection"):
+                if op in ("dense", "qkv_projection") and variant != "tuned":
                     return next(v for v in usable if v.name == variant)
                 return real(op, backend, usable, key, args)
 
@@ -92,13 +94,18 @@ def forwards(dtype, specs):
             finally:
                 dispatch._choose_variant = real
             ran = {c.variant for c in calls if c.op in ("dense", "qkv_projection")}
-            assert ran == {variant}, f"{variant} forward ran {ran}"
+            assert variant == "tuned" or ran == {variant}, f"{variant} forward ran {ran}"
+            if variant == "tuned":
+                print(f"{spec} {dtype}: tuning picked " + ", ".join(sorted(
+                    {f"{c.op}:{c.variant}" for c in calls if c.op in ("dense", "qkv_projection")})), flush=True)
             models[variant] = model
         diff = (outputs["fastbert"].float() - outputs["onednn"].float()).norm() / outputs["onednn"].float().norm()
         with torch.inference_mode():
             ms = alternate({v: lambda m=m: m(ids, attention_mask=mask) for v, m in models.items()}, rounds=21)
         print(f"{spec} {dtype}: own GEMM {ms['fastbert'] * 1e3:.2f} ms, oneDNN {ms['onednn'] * 1e3:.2f} ms: "
-              f"{ms['onednn'] / ms['fastbert']:.2f}x (outputs differ by {diff:.1e} relative)", flush=True)
+              f"{ms['onednn'] / ms['fastbert']:.2f}x (outputs differ by {diff:.1e} relative); tuned "
+              f"{ms['tuned'] * 1e3:.2f} ms, {min(ms['onednn'], ms['fastbert']) / ms['tuned']:.2f}x the better one",
+              flush=True)
 
 
 if __name__ == "__main__":
