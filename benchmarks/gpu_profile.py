@@ -10,7 +10,7 @@ BERT-base 0.60-0.89x transformers sdpa in bf16 and 0.36-0.56x in fp32; RESULTS.m
 4. which C++ errors crash the process (the CUDA op's shape checks segfaulted in the first run) rather than
    raise: each case in a subprocess, its exit status printed.
 
-    python3 benchmarks/gpu_profile.py [--parts 1,2,3,4]
+    python3 benchmarks/gpu_profile.py [--parts 4,1,3,2]   (the order they run in: cheapest first)
 """
 import argparse
 import statistics
@@ -181,13 +181,15 @@ def part_crashes():
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parts", default="1,2,3,4")
+    parser.add_argument("--parts", default="4,1,3,2")
     parts = parser.parse_args().parts.split(",")
+    functions = {"1": part_host_cost, "2": lambda: [part_forward(t) for t in (torch.bfloat16, torch.float32)],
+                 "3": part_gemm_tiles, "4": part_crashes}
+    if set(parts) - set(functions):
+        parser.error(f"unknown parts {sorted(set(parts) - set(functions))} (known: 1, 2, 3, 4)")
     print(f"torch {torch.__version__} | {torch.cuda.get_device_name()}")
-    for part, fn in (("1", part_host_cost), ("2", lambda: [part_forward(t) for t in (torch.bfloat16, torch.float32)]),
-                     ("3", part_gemm_tiles), ("4", part_crashes)):
-        if part in parts:
-            try:
-                fn()
-            except Exception as e:  # one part failing leaves the others' numbers
-                print(f"part {part} failed: {type(e).__name__}: {e}")
+    for part in parts:
+        try:
+            functions[part]()
+        except Exception as e:  # one part failing leaves the others' numbers
+            print(f"part {part} failed: {type(e).__name__}: {e}")
