@@ -257,6 +257,15 @@ def linear_class(x, weight, *_):
     return f"m{dispatch.size_class(x.numel() // max(x.shape[-1], 1))}", f"k{weight.shape[1]}", f"n{weight.shape[0]}"
 
 
+def _torch(x, weight, bias, activation, prepared):
+    """torch_linear as a variant (the cpu backend's built-in one, the cuda backend's cuBLAS one)."""
+    return torch_linear(x, weight, bias, activation)
+
+
+def _bucket(x, weight, bias, activation, prepared):
+    return (*linear_class(x, weight), activation)
+
+
 def upcast_linear(x, weight, bias, activation, prepared: PreparedWeights | None, pair=ONEDNN):
     """A bfloat16 linear as oneDNN's float32 GEMM on float32 copies, the output rounded to bfloat16: for CPUs
     where oneDNN has no bf16 GEMM and torch's bf16 F.linear runs at an eighth of fp32's rate (AVX2 only).
@@ -306,11 +315,11 @@ dispatch.register_variants("dense", "cpu", (
     dispatch.Variant("onednn+bias_gelu", onednn_then_bias_gelu,
                      lambda facts: onednn_reasons(facts) or ([] if facts.gelu else ["GELU calls with a bias only"])),
     dispatch.Variant("onednn-fp32", upcast_linear, upcast_reasons),
-    dispatch.Variant("torch", lambda x, weight, bias, activation, prepared: torch_linear(x, weight, bias, activation)),
+    dispatch.Variant("torch", _torch),
     dispatch.Variant("fastbert", own_linear, own_reasons),
     dispatch.Variant("onednn-rows", onednn_rows, onednn_rows_reasons),
     dispatch.Variant("onednn+torch_backward", onednn_torch_backward, float32_training_reasons),
-), lambda x, weight, bias, activation, prepared: (*linear_class(x, weight), activation), weights=True)
+), _bucket, weights=True)
 
 
 def onednn_linear(x, weight, bias, activation, prepared: PreparedWeights | None, pair=ONEDNN, per_thread=False):
@@ -382,10 +391,5 @@ def _triton(x, weight, bias, activation, prepared):
 # GEMM above took 1.7-6.5x cuBLAS's time at every BERT shape on an H200 (benchmarks/RESULTS.md, twenty-second
 # session). Named "torch" as the cpu backend's built-in variant is: torch's autograd differentiates it. float32
 # follows torch's matmul precision setting (its default, no TF32, is what fastbert's fp32 tolerance needs).
-@dispatch.register("dense", "cuda", dispatch.Support(("cuda",), (torch.float16, torch.bfloat16, torch.float32)))
-def _cuda(x, weight, bias, activation, prepared):
-    return torch_linear(x, weight, bias, activation)
-
-
-dispatch.register_variants("dense", "cuda", (dispatch.Variant("torch", _cuda),),
-                           lambda x, weight, bias, activation, prepared: (*linear_class(x, weight), activation))
+dispatch.register("dense", "cuda", dispatch.Support(("cuda",), (torch.float16, torch.bfloat16, torch.float32)))(_torch)
+dispatch.register_variants("dense", "cuda", (dispatch.Variant("torch", _torch),), _bucket)

@@ -51,12 +51,20 @@ def _cpu(x, weight, bias, num_heads, prepared):
     return head_major(onednn_linear(x, weight, bias, "none", prepared, ONEDNN), num_heads)  # one GEMM
 
 
+def _torch(x, weight, bias, num_heads, prepared):
+    """torch_linear as a variant (the cpu backend's built-in one, the cuda backend's cuBLAS one)."""
+    return head_major(torch_linear(x, weight, bias), num_heads)
+
+
+def _bucket(x, weight, *_):
+    return linear_class(x, weight)
+
+
 dispatch.register_variants("qkv_projection", "cpu", (
     dispatch.Variant("onednn", _cpu, onednn_reasons),
     dispatch.Variant("onednn-fp32", lambda x, weight, bias, num_heads, prepared: head_major(
         upcast_linear(x, weight, bias, "none", prepared, ONEDNN), num_heads), upcast_reasons),
-    dispatch.Variant("torch", lambda x, weight, bias, num_heads, prepared: head_major(
-        torch_linear(x, weight, bias), num_heads)),
+    dispatch.Variant("torch", _torch),
     dispatch.Variant("fastbert", lambda x, weight, bias, num_heads, prepared: head_major(
         own_linear(x, weight, bias, "none", prepared, OWN), num_heads), own_reasons),
     dispatch.Variant("onednn-rows", lambda x, weight, bias, num_heads, prepared: head_major(
@@ -64,7 +72,7 @@ dispatch.register_variants("qkv_projection", "cpu", (
     dispatch.Variant("onednn+torch_backward", lambda x, weight, bias, num_heads, prepared: head_major(
         onednn_torch_backward(x, weight, bias, "none", prepared, ONEDNN_TORCH_BACKWARD), num_heads),
         float32_training_reasons),
-), lambda x, weight, *_: linear_class(x, weight), weights=True)
+), _bucket, weights=True)
 
 
 def head_major(qkv: torch.Tensor, num_heads: int):
@@ -127,10 +135,6 @@ def _triton(x, weight, bias, num_heads, prepared):
 # ------------------------------------------------------- cuda: cuBLAS, through torch (see dense's cuda)
 
 
-@dispatch.register("qkv_projection", "cuda", dispatch.Support(("cuda",), (torch.float16, torch.bfloat16, torch.float32)))
-def _cuda(x, weight, bias, num_heads, prepared):
-    return head_major(torch_linear(x, weight, bias), num_heads)
-
-
-dispatch.register_variants("qkv_projection", "cuda", (dispatch.Variant("torch", _cuda),),
-                           lambda x, weight, *_: linear_class(x, weight))
+dispatch.register("qkv_projection", "cuda", dispatch.Support(("cuda",), (torch.float16, torch.bfloat16, torch.float32)))(
+    _torch)
+dispatch.register_variants("qkv_projection", "cuda", (dispatch.Variant("torch", _torch),), _bucket)
