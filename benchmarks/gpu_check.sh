@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one script to run on a lent GPU (DESIGN.md: "Testing without a GPU"). Stages, each bounded by its
-# own timeout (they add up to under 10 minutes; the first H200 run, 2026-12-04, took 5.3) and each leaving a
+# own timeout (they add up to under 10 minutes; the H200 runs of 2026-12-04 took 5.3 and 8.5) and each leaving a
 # log, JUnit XML where it runs tests, and a line in $OUT/summary.txt, so a stage cut short still leaves what
 # it found: environment and the card's two ceilings, build (sm_90 unless FASTBERT_CUDA_ARCHS says otherwise),
 # cuda parity, triton parity (in parallel processes), a short end-to-end bench, where the time goes
@@ -37,7 +37,7 @@ tests() {
   note "$name: $(tail -1 "$LOGS/$name.log")$([ $rc = 124 ] && echo " (cut at ${limit} s)")"
 }
 
-step "environment and ceilings" 30
+step "environment and ceilings" 25
 { $PY -c "import sys, torch; print('python', sys.version.split()[0], '| torch', torch.__version__, '| cuda', torch.version.cuda, '|', torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
   $PY -c "import triton; print('triton', triton.__version__)" 2>&1 | tail -1
   $PY -c "from torch.utils.cpp_extension import CUDA_HOME; print('CUDA_HOME', CUDA_HOME)"
@@ -65,13 +65,13 @@ for dtype, n in ((torch.bfloat16, 8192), (torch.float32, 8192)):
           f"{torch.backends.cuda.matmul.allow_tf32})")
 EOF
 
-step "build fastbert._C" 120
+step "build fastbert._C" 110
 BUILT=0
 if [ $DRY = 1 ]; then
   note "build: skipped (dry run)"
 else
   # sm_90 only (the H200), ninja running nvcc and the C++ compiler on every core.
-  FASTBERT_CUDA_ARCHS=${FASTBERT_CUDA_ARCHS:-90} MAX_JOBS=$(nproc) timeout 120 \
+  FASTBERT_CUDA_ARCHS=${FASTBERT_CUDA_ARCHS:-90} MAX_JOBS=$(nproc) timeout 110 \
     $PY -m pip install --no-build-isolation --no-deps -e . > "$LOGS/build.log" 2>&1
   note "build: exit $? (log: build.log)"
   # Without a toolkit setup.py builds CPU-only and every cuda test would skip: with nvcc present, that is
@@ -98,42 +98,44 @@ fi
 $PY -c "import fastbert.kernels" 2>/dev/null || ln -sfn ../kernels fastbert/kernels
 $PY -m fastbert info > "$LOGS/info.txt" 2>&1
 
-step "parity on CUDA: the cuda backend, ops and model, against the float64 reference" 100
-XDIST=(); [ $DRY = 0 ] && $PY -c "import xdist" 2>/dev/null && XDIST=(-n 8)
-if [ $DRY = 0 ] && [ $BUILT = 0 ]; then note "cuda: not run (no CUDA build)"; else tests cuda 100 "${XDIST[@]}" -k "cuda and not properties and not emulated" tests/ops tests/test_model.py tests/test_build.py tests/test_encode.py; fi
+# All cores: 273 tests took 104 s with -n 16 on the H200 (2026-12-04); with -n 8 the stage was cut at 100 s.
+# The two C++ checks that crash (RESULTS.md) take their worker down; xdist replaces it and goes on.
+step "parity on CUDA: the cuda backend, ops and model, against the float64 reference" 130
+XDIST=(); [ $DRY = 0 ] && $PY -c "import xdist" 2>/dev/null && XDIST=(-n "$(nproc)")
+if [ $DRY = 0 ] && [ $BUILT = 0 ]; then note "cuda: not run (no CUDA build)"; else tests cuda 130 "${XDIST[@]}" -k "cuda and not properties and not emulated" tests/ops tests/test_model.py tests/test_build.py tests/test_encode.py; fi
 
-step "parity on CUDA: the triton backend, in parallel processes" 120
+step "parity on CUDA: the triton backend, in parallel processes" 145
 # A cold Triton cache compiles each kernel specialization once: ~290 for this selection (counted under the
 # interpreter, 2026-12-03: attention alone 108 in fp32 and fp16, ~160 with bf16), too many for one process
-# in 100 s. pytest-xdist (in the GPU image) spreads the tests over every core, which share the on-disk
+# in 100 s (with 16 processes a cold cache still took over 120 s on 2026-12-04; a warm one 44 s). pytest-xdist (in the GPU image) spreads the tests over every core, which share the on-disk
 # cache; without it, and in the dry run (fake_cuda reads outcomes in the process that ran them), one
 # process per op file.
 TRITON_FILES="$(ls tests/ops/test_*.py | grep -v quantized_dense) tests/test_model.py"  # (no triton int8 yet)
 if [ $DRY = 0 ] && $PY -c "import xdist" 2>/dev/null; then
-  tests triton 120 -n "$(nproc)" -k "triton and not properties" $TRITON_FILES
+  tests triton 145 -n "$(nproc)" -k "triton and not properties" $TRITON_FILES
 else
   pids=()
   for f in $TRITON_FILES; do
-    tests "triton-$(basename "$f" .py)" 120 -k "triton and not properties" "$f" &
+    tests "triton-$(basename "$f" .py)" 145 -k "triton and not properties" "$f" &
     pids+=($!)
   done
   wait "${pids[@]}"
 fi
 
-step "end to end on CUDA: fastbert against transformers and torch's nested encoder" 75
+step "end to end on CUDA: fastbert against transformers and torch's nested encoder" 60
 if [ $DRY = 1 ]; then
   note "bench: skipped (dry run)"
 else
-  timeout 75 $PY -m fastbert bench --device cuda --models base --dtypes bf16,fp32 --shapes 8x128,8x512,ragged32 \
+  timeout 60 $PY -m fastbert bench --device cuda --models base --dtypes bf16,fp32 --shapes 8x128,8x512,ragged32 \
     --competitors fastbert,hf-sdpa,nested --rounds 5 --out "$LOGS" > "$LOGS/bench.log" 2>&1
   note "bench: exit $? (table in bench.log)"
 fi
 
-step "where the time goes: host cost a call, graph replay, GEMM tiles, C++ errors" 110
+step "where the time goes: host cost a call, graph replay, C++ errors" 80
 if [ $DRY = 1 ]; then
   note "profile: skipped (dry run)"
 else
-  timeout 110 $PY benchmarks/gpu_profile.py > "$LOGS/profile.log" 2>&1
+  timeout 80 $PY benchmarks/gpu_profile.py > "$LOGS/profile.log" 2>&1
   note "profile: exit $? (profile.log)"
 fi
 
