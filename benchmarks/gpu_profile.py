@@ -4,8 +4,9 @@ BERT-base 0.60-0.89x transformers sdpa in bf16 and 0.36-0.56x in fp32; RESULTS.m
 1. host cost a call: each op's public entry on each backend, torch's built-in beside it, called back to back
    without a sync on tiny tensors (so the launch queue, not the kernel, sets the pace);
 2. one BERT-base forward: host issue time and synchronized time, and its encoder unmasked, eager and as a
-   CUDA-graph replay (the kernels alone), for fastbert and transformers sdpa, plus torch.profiler's top host
-   ops of fastbert's forward;
+   CUDA-graph replay (the kernels alone), for fastbert and transformers sdpa, fastbert's encoder also padded
+   with a key mask and padding-free (whether each captures, and replays equal to eager), plus
+   torch.profiler's top host ops of fastbert's forward;
 3. the Triton GEMM's tiles against cuBLAS (torch F.linear) at BERT's linears, CUDA-event medians;
 4. which C++ errors crash the process (the CUDA op's shape checks segfaulted in the first run) rather than
    raise: each case in a subprocess, its exit status printed.
@@ -119,6 +120,30 @@ def part_forward(dtype):
                 replay = f"capture failed ({type(e).__name__}: {str(e)[:120]})"
             print(f"{name:9s} forward: host issue {issue:.2f}, synchronized {synced:.2f} | encoder unmasked: "
                   f"eager {eager:.2f}, graph replay {replay}")
+        # fastbert's encoder on the other two paths a CUDA-graph inference path would capture: padded with a
+        # key mask, and padding-free (packed tokens, cu_seqlens; packing computed outside, as it reads the
+        # mask on the host). Half the tokens masked out, so that packing applies.
+        from fastbert import padding
+        half = mask.clone()
+        half[:, ids.shape[1] // 2:] = 0
+        x = models["fastbert"].embeddings(input_ids=ids)
+        packing = padding.packing(half.bool())
+        paths = {"padded with mask": lambda: models["fastbert"].encoder(x, half.bool())[0],
+                 "packed": lambda: models["fastbert"].encoder(padding.unpad(x, packing), half.bool(), False, False,
+                                                          packing)[0]}
+        for path, fn in paths.items():
+            try:
+                want = fn()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    got = fn()
+                graph.replay()
+                torch.cuda.synchronize()
+                same = torch.equal(got, want)
+                print(f"fastbert  encoder {path}: eager {device_ms(fn):.2f}, graph replay {device_ms(graph.replay):.2f}"
+                      f" (replay equals eager: {same})")
+            except Exception as e:
+                print(f"fastbert  encoder {path}: capture failed ({type(e).__name__}: {str(e)[:160]})")
         from torch.profiler import ProfilerActivity, profile
 
         with dispatch.record() as calls:
