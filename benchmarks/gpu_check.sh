@@ -102,7 +102,7 @@ $PY -m fastbert info > "$LOGS/info.txt" 2>&1
 # The two C++ checks that crash (RESULTS.md) take their worker down; xdist replaces it and goes on.
 step "parity on CUDA: the cuda backend, ops and model, against the float64 reference" 130
 XDIST=(); [ $DRY = 0 ] && $PY -c "import xdist" 2>/dev/null && XDIST=(-n "$(nproc)")
-if [ $DRY = 0 ] && [ $BUILT = 0 ]; then note "cuda: not run (no CUDA build)"; else tests cuda 130 "${XDIST[@]}" -k "cuda and not properties and not emulated" tests/ops tests/test_model.py tests/test_build.py tests/test_encode.py; fi
+if [ $DRY = 0 ] && [ $BUILT = 0 ]; then note "cuda: not run (no CUDA build)"; else tests cuda 130 "${XDIST[@]}" -k "cuda and not properties and not emulated" tests/ops tests/test_model.py tests/test_build.py tests/test_encode.py tests/test_encoder_layer.py; fi
 
 step "parity on CUDA: the triton backend, in parallel processes" 145
 # A cold Triton cache compiles each kernel specialization once: ~290 for this selection (counted under the

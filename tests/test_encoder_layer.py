@@ -115,6 +115,58 @@ def test_float_layers_in_one_call_equal_op_by_op(monkeypatch, choice, dtype, sha
         assert choice in ran
 
 
+def _layer_records(model):
+    """The plan records of the first encoder layer of `model`'s one recorded forward."""
+    (plan,) = model.plans._plans.values()
+    start, (module, end, _) = next((start, entry) for start, entry in plan.blocks.items()
+                                   if entry[0] is model.encoder.layer[0])
+    return plan.calls[start:end]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_cuda_plans_layers_map_to_torchs_linears_and_fastberts_attention(monkeypatch, shape):
+    """What the cuda backend records (linears on its one "torch" variant, attention on its one kernel,
+    without a variant name) becomes a program of torch's linears and fastbert's attention kernel, which the
+    C++ layer reaches through the device-dispatched ops. Checked here by relabelling a CPU plan of those very
+    implementations as cuda's: the program built from it runs (on the CPU kernels) equal to op by op."""
+    choose(monkeypatch, {"qkv_projection": "torch", "dense": "torch", "attention": "fastbert",
+                         "varlen_attention": "fastbert"})
+    model, (ids, mask) = model_of("fp32"), inputs(shape)
+    with torch.inference_mode(), poison_outputs():
+        op_by_op = model(ids, attention_mask=mask).last_hidden_state
+    records = _layer_records(model)
+    assert [(r[0][0], r[4]) for r in records][:3] == [("qkv_projection", "torch"), (records[1][0][0], "fastbert"),
+                                                      ("dense", "torch")]
+    as_cuda = [(signature, fn, "cuda", skipped, None if signature[0] in ("attention", "varlen_attention", "add_layer_norm")
+                else variant) for signature, fn, _, skipped, variant in records]
+    program = encoder_layer.program(model.encoder.layer[0], as_cuda)
+    assert program.codes[:7] == [0, CONFIG["num_attention_heads"], encoder_layer.ATTENTION["fastbert"],
+                                 *[encoder_layer.LINEARS["torch"]] * 4]
+    # Mixed backends are not one C++ layer's calls.
+    mixed = [as_cuda[0], (as_cuda[1][0], as_cuda[1][1], "cpu", {}, "fastbert"), *as_cuda[2:]]
+    assert encoder_layer.program(model.encoder.layer[0], mixed) is None
+    # The program's output is the layer's, op by op (the plan's own programs, built from the cpu records,
+    # run the same codes).
+    runs = Runs(monkeypatch)
+    with torch.inference_mode(), poison_outputs():
+        one_call = model(ids, attention_mask=mask).last_hidden_state
+    assert runs.count == CONFIG["num_hidden_layers"] and torch.equal(one_call, op_by_op)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_cuda_layers_in_one_call_equal_op_by_op(monkeypatch, dtype, shape):
+    """On a GPU (the GPU check runs it): the layers of a replayed forward run as one C++ call each, which
+    launches what op by op launched and gives the same output, bit for bit."""
+    if not torch.cuda.is_available() or not getattr(importlib.import_module("fastbert._C"), "WITH_CUDA", False):
+        pytest.skip("needs a CUDA GPU and fastbert._C built with CUDA")
+    runs = Runs(monkeypatch)
+    ids, mask = inputs(shape)
+    recorded = check_one_call_equals_op_by_op(model_of(dtype).cuda(), ids.cuda(), None if mask is None else mask.cuda(),
+                                              runs)
+    assert {backend for _, backend, _, _ in recorded} == {"cuda"}
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", ["int8", "int8-bf16"])
 @pytest.mark.parametrize("gemm", ["fastbert", "onednn"])

@@ -1,5 +1,6 @@
-// encoder_layer on CPU: one BERT encoder layer of an inference forward in one call, for batches where
-// Python between the kernels costs as much as the kernels (fastbert/ops/encoder_layer.py). It makes the
+// encoder_layer: one BERT encoder layer of an inference forward in one call, for batches where Python
+// between the kernels costs as much as the kernels (fastbert/ops/encoder_layer.py; on CPU, and on CUDA
+// tensors in a CUDA build, where the calls below dispatch to the CUDA kernels). It makes the
 // calls the layer's ops make, in their order, on the implementations a plan recorded for them (codes
 // below), so its output is bit-equal to the layer's op by op: no kernel of its own, no choice of its own.
 //
@@ -322,3 +323,11 @@ TORCH_LIBRARY_IMPL(fastbert_C, CPU, m) {
 TORCH_LIBRARY_IMPL(fastbert_C, MkldnnCPU, m) {
   m.impl("encoder_layer", &fastbert::encoder_layer);
 }
+
+#ifdef FASTBERT_WITH_CUDA
+// On CUDA tensors the same calls reach CUDA kernels (at::linear on cuBLAS, fastbert_C's attention and
+// add_layer_norm in csrc/cuda): the cuda backend's float layers (torch's linears, fastbert's attention).
+TORCH_LIBRARY_IMPL(fastbert_C, CUDA, m) {
+  m.impl("encoder_layer", &fastbert::encoder_layer);
+}
+#endif
