@@ -15,6 +15,7 @@ BERT-base 0.60-0.89x transformers sdpa in bf16 and 0.36-0.56x in fp32; RESULTS.m
                                                           its question on 2026-12-04 and runs only when named)
 """
 import argparse
+import copy
 import shutil
 import statistics
 import subprocess
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 
 import fastbert
 from fastbert import dispatch, ops
+from fastbert.ops import encoder_layer
 
 
 def host_us(fn, calls=200):
@@ -146,6 +148,19 @@ def part_forward(dtype):
                 print(f"fastbert  encoder {path}: capture failed ({type(e).__name__}: {str(e)[:160]})")
         from torch.profiler import ProfilerActivity, profile
 
+        # The same forward with each layer's calls made op by op from Python instead of as one C++ call
+        # (fastbert/ops/encoder_layer.py): a copy whose plans were built while no layer program could be made.
+        op_by_op = copy.deepcopy(models["fastbert"])
+        real = encoder_layer.program
+        encoder_layer.program = lambda *_: None
+        try:
+            for _ in range(3):
+                op_by_op(input_ids=ids, attention_mask=mask)
+        finally:
+            encoder_layer.program = real
+        fn = lambda: op_by_op(input_ids=ids, attention_mask=mask).last_hidden_state  # noqa: E731
+        print(f"fastbert  forward, layers op by op: host issue {host_us(fn, calls=10) / 1e3:.2f}, synchronized "
+              f"{device_ms(fn):.2f}")
         with dispatch.record() as calls:
             models["fastbert"](input_ids=ids, attention_mask=mask)
         print("ran:", sorted({(c.op, c.backend) for c in calls}))
