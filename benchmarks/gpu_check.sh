@@ -131,11 +131,11 @@ else
   note "bench: exit $? (table in bench.log)"
 fi
 
-step "where the time goes: host cost a call, graph replay, C++ errors" 80
+step "where the time goes: host cost a call, graph replay, C++ errors" 95
 if [ $DRY = 1 ]; then
   note "profile: skipped (dry run)"
 else
-  timeout 80 $PY benchmarks/gpu_profile.py > "$LOGS/profile.log" 2>&1
+  timeout 95 $PY benchmarks/gpu_profile.py > "$LOGS/profile.log" 2>&1
   note "profile: exit $? (profile.log)"
 fi
 

@@ -221,15 +221,20 @@ CRASH_CASES = {
 
 def part_crashes():
     print("\n## 4. C++ errors: raised (exit 0) or crashed (negative exit: the signal)")
+    traced = False
     for name, code in CRASH_CASES.items():
         program = ("import torch, fastbert\ntry:\n    " + code.replace("; ", "\n    ")
                    + "\nexcept RuntimeError as e:\n    print('raised:', str(e).splitlines()[0][:150])")
         run = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60)
         print(f"{name:30s} exit {run.returncode}: {(run.stdout or run.stderr).strip().splitlines()[-1:]}")
-        if run.returncode < 0 and shutil.which("gdb"):  # where it crashed: the backtrace's frames
-            gdb = subprocess.run(["gdb", "-batch", "-ex", "run", "-ex", "bt 25", "--args", sys.executable, "-c",
-                                  program], capture_output=True, text=True, timeout=120)
-            print("\n".join("    " + line for line in gdb.stdout.splitlines() if line.startswith("#")))
+        if run.returncode < 0 and shutil.which("gdb") and not traced:  # where the first crash is: its frames
+            traced = True
+            try:
+                gdb = subprocess.run(["gdb", "-batch", "-ex", "run", "-ex", "bt 25", "--args", sys.executable, "-c",
+                                      program], capture_output=True, text=True, timeout=45)
+                print("\n".join("    " + line for line in gdb.stdout.splitlines() if line.startswith("#")))
+            except subprocess.TimeoutExpired:
+                print("    (gdb: no backtrace within 45 s)")
 
 
 if __name__ == "__main__":
