@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import fastbert
-from fastbert import dispatch, ops
+from fastbert import dispatch, ops, padding
 from fastbert.ops import encoder_layer
 
 
@@ -125,7 +125,6 @@ def part_forward(dtype):
         # fastbert's encoder on the other two paths a CUDA-graph inference path would capture: padded with a
         # key mask, and padding-free (packed tokens, cu_seqlens; packing computed outside, as it reads the
         # mask on the host). Half the tokens masked out, so that packing applies.
-        from fastbert import padding
         half = mask.clone()
         half[:, ids.shape[1] // 2:] = 0
         x = models["fastbert"].embeddings(input_ids=ids)

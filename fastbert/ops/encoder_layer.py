@@ -127,7 +127,7 @@ def program(layer, calls) -> LayerProgram | None:
     if len(calls) != 7 or len({c[2] for c in calls}) != 1 or calls[0][2] not in BACKENDS:
         return None
     signatures = [c[0] for c in calls]
-    variants = [c[4] if c[4] is not None or c[2] != "cuda" else "fastbert" for c in calls]  # (cuda: one kernel)
+    variants = [c[4] or ("fastbert" if c[2] == "cuda" else None) for c in calls]  # (cuda's unnamed: its one kernel)
     attention = signatures[1]
     if attention[0] == "attention":
         if attention[3:] != (attention[3], 0.0, None, False):  # (mask is None, dropout_p, scale, need_weights)
