@@ -155,7 +155,12 @@ def encode_windows(model, texts: Iterable[str], tokenizer, pooling: str = "mean"
         raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
     if batch_tokens < 1 or window < 1:
         raise ValueError(f"batch_tokens and window must be positive, got {batch_tokens} and {window}")
-    max_length = max_length or default_max_length(model, tokenizer)
+    if max_length is not None and max_length < 2:
+        raise ValueError(f"max_length must be at least 2 ([CLS] and [SEP]), got {max_length}")
+    if isinstance(texts, (str, bytes)):
+        raise TypeError("texts must be an iterable of str, got one str (its characters would be the texts): pass [text]")
+    if max_length is None:
+        max_length = default_max_length(model, tokenizer)
     device = next(model.parameters()).device
     # The budget bounds memory; on a CPU the model runs it in batches of the width measured fastest there.
     budget = forward_tokens(model, device, batch_tokens)

@@ -151,6 +151,10 @@ def test_bad_arguments_are_named(minilm):
         fastbert.encode(model, ["a", 3], tokenizer)
     with pytest.raises(ValueError, match="text 1 has 402 tokens, over max_length=256"):
         fastbert.encode(model, TEXTS[-2:], tokenizer, max_length=256, truncate=False)
+    with pytest.raises(ValueError, match="max_length must be at least 2"):
+        fastbert.encode(model, ["a"], tokenizer, max_length=0)
+    with pytest.raises(TypeError, match="got one str"):
+        fastbert.encode(model, "a sentence", tokenizer)
 
 
 def cli(*args, timeout=600):
@@ -237,5 +241,69 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path):
     # Other settings on a leftover run are refused, not mixed in.
     os.makedirs(str(out) + ".parts")
     (Path(str(out) + ".parts") / "manifest.json").write_text(json.dumps({"dtype": "bf16"}))
+    np.save(Path(str(out) + ".parts") / "000000.npy", a[:32])
     refused = cli("--input", str(tmp_path / "in.txt"), "--output", str(out), "--shard-texts", "32")
     assert refused.returncode == 2 and "--restart" in refused.stderr
+
+
+@pytest.mark.parametrize("name,options,message", [
+    ("in.jsonl", {}, "a .jsonl input needs --field"),
+    ("in.txt", {"column": "body"}, "--column is for .parquet inputs"),
+    ("in.csv", {}, "the input must be .txt, .jsonl or .parquet"),
+    ("missing.txt", {}, "missing.txt: no such file"),
+    ("in.txt", {"batch_tokens": 0}, "--batch-tokens must be at least 1, got 0"),
+    ("in.txt", {"shard_texts": 0}, "--shard-texts must be at least 1, got 0"),
+    ("in.txt", {"max_length": 1}, "--max-length must be at least 2, got 1"),
+])
+def test_command_usage_errors_leave_nothing_behind(tmp_path, name, options, message):
+    from fastbert.apps.encode import InputError, run
+
+    for existing in ("in.txt", "in.jsonl", "in.csv"):
+        (tmp_path / existing).write_text("a\n")
+    out = tmp_path / "out.npy"
+    with pytest.raises(InputError, match=message):
+        run(minilm_dir(), str(tmp_path / name), str(out), progress=False, **options)
+    assert not Path(str(out) + ".parts").exists()  # so the corrected command is not taken for a changed run
+
+
+def test_command_empty_input_and_byte_order_mark(tmp_path, minilm):
+    from fastbert.apps.encode import run
+
+    (tmp_path / "empty.txt").write_bytes(b"")
+    assert run(minilm_dir(), str(tmp_path / "empty.txt"), str(tmp_path / "empty.npy"), progress=False) == 0
+    assert np.load(tmp_path / "empty.npy").shape == (0, 384)
+    (tmp_path / "bom.jsonl").write_bytes(b'\xef\xbb\xbf{"t": "a cat"}\n')
+    run(minilm_dir(), str(tmp_path / "bom.jsonl"), str(tmp_path / "bom.npy"), field="t", progress=False)
+    model, tokenizer = minilm
+    assert_matches(torch.from_numpy(np.load(tmp_path / "bom.npy")), fastbert.encode(model, ["a cat"], tokenizer),
+                   name="after a byte order mark")
+
+
+def test_a_model_saved_again_in_place_is_not_resumed_into(tmp_path, capfd):
+    import shutil
+
+    from fastbert.apps.encode import InputError, run
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(minilm_dir(), model_dir)
+    texts = SENTENCES[:7] + ["word " * 400] + SENTENCES[7:10]
+    (tmp_path / "in.txt").write_text("\n".join(texts) + "\n", encoding="utf-8")
+    out = tmp_path / "out.npy"
+    common = dict(progress=False, shard_texts=2)
+    # Stopped by the long text (line 8): the shards of lines 1-6 stay, as after an interrupted run.
+    with pytest.raises(InputError, match="line 8: 402 tokens"):
+        run(str(model_dir), str(tmp_path / "in.txt"), str(out), **common)
+    assert len(list(Path(str(out) + ".parts").glob("0*.npy"))) == 3
+    weights = next(model_dir.glob("*.safetensors"))
+    stat = weights.stat()
+    weights.write_bytes(weights.read_bytes())  # saved again: another model as far as the shards can tell
+    with pytest.raises(InputError, match="model_files"):
+        run(str(model_dir), str(tmp_path / "in.txt"), str(out), truncate=True, **common)
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    capfd.readouterr()
+    # The same model again, now cutting the long text: the 3 shards hold no long text, so they are kept.
+    assert run(str(model_dir), str(tmp_path / "in.txt"), str(out), truncate=True, **common) == len(texts)
+    assert "resuming after 3 complete shards" in capfd.readouterr().err
+    whole = tmp_path / "whole.npy"
+    run(str(model_dir), str(tmp_path / "in.txt"), str(whole), truncate=True, **common)
+    assert np.array_equal(np.load(out), np.load(whole))

@@ -45,3 +45,13 @@ def test_missing_column_is_named():
     embed = Embedder(minilm_dir(), column="body")
     with pytest.raises(KeyError, match="no column 'body'"):
         embed({"text": np.array(["a"])})
+
+
+def test_a_null_or_a_number_is_not_embedded_as_its_name():
+    from fastbert.integrations.ray import Embedder
+
+    embed = Embedder(minilm_dir())
+    with pytest.raises(TypeError, match="row 1 of column 'text' is NoneType, not a string"):
+        embed({"text": np.array(["a", None], dtype=object)})
+    with pytest.raises(TypeError, match="row 0 of column 'text' is float, not a string"):
+        embed({"text": np.array([float("nan")], dtype=object)})

@@ -21,38 +21,49 @@ class InputError(ValueError):
 
 def read_texts(path: str, field: str | None = None, column: str | None = None) -> Iterator[str]:
     """The texts of `path`, in order: .txt one a line (empty lines are empty texts), .jsonl the string in
-    `field` of each line, .parquet the string column `column`."""
+    `field` of each line, .parquet the string column `column`. What can be checked without reading a text
+    (the file, its kind, the field or column asked for) is checked here, before anything is written."""
     ext = os.path.splitext(path)[1].lower()
-    if not os.path.exists(path):
+    if not os.path.isfile(path):
         raise InputError(f"{path}: no such file")
+    if ext not in (".txt", ".jsonl", ".parquet"):
+        raise InputError(f"{path}: the input must be .txt, .jsonl or .parquet")
+    if (ext == ".jsonl") != (field is not None):
+        raise InputError("a .jsonl input needs --field" if ext == ".jsonl" else "--field is for .jsonl inputs")
+    if (ext == ".parquet") != (column is not None):
+        raise InputError("a .parquet input needs --column" if ext == ".parquet" else "--column is for .parquet inputs")
     if ext == ".parquet":
-        if column is None:
-            raise InputError("a .parquet input needs --column")
         import pyarrow.parquet as pq
 
         f = pq.ParquetFile(path)
         if column not in f.schema_arrow.names:
             raise InputError(f"{path} has no column {column!r} (columns: {', '.join(f.schema_arrow.names)})")
-        row = 0
-        for batch in f.iter_batches(columns=[column]):
-            for value in batch.column(0).to_pylist():
-                row += 1
-                if not isinstance(value, str):
-                    raise InputError(f"{path} row {row}: column {column!r} is {type(value).__name__}, not a string")
-                yield value
-        return
-    if ext not in (".txt", ".jsonl"):
-        raise InputError(f"{path}: the input must be .txt, .jsonl or .parquet")
-    if ext == ".jsonl" and field is None:
-        raise InputError("a .jsonl input needs --field")
+        return _parquet_texts(path, f, column)
+    return _line_texts(path, field)
+
+
+def _parquet_texts(path, f, column) -> Iterator[str]:
+    row = 0
+    for batch in f.iter_batches(columns=[column]):
+        for value in batch.column(0).to_pylist():
+            row += 1
+            if not isinstance(value, str):
+                raise InputError(f"{path} row {row}: column {column!r} is {type(value).__name__}, not a string")
+            yield value
+
+
+def _line_texts(path, field) -> Iterator[str]:
+    """.txt lines, or (field given) .jsonl records' `field`."""
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
             raw = raw.rstrip(b"\n").rstrip(b"\r")
+            if number == 1:
+                raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark is not text
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 raise InputError(f"{path} line {number}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})") from None
-            if ext == ".txt":
+            if field is None:
                 yield line
                 continue
             try:
@@ -66,13 +77,33 @@ def read_texts(path: str, field: str | None = None, column: str | None = None) -
             yield record[field]
 
 
+def _files(directory: str) -> dict:
+    """{path: [bytes, mtime_ns]} of the files under `directory` (hidden ones aside): a model saved again in
+    place, under the same name, is another model."""
+    files = {}
+    for root, dirs, names in os.walk(directory):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(n for n in names if not n.startswith(".")):
+            stat = os.stat(os.path.join(root, name))
+            files[os.path.relpath(os.path.join(root, name), directory)] = [stat.st_size, stat.st_mtime_ns]
+    return files
+
+
 def _manifest(args, input_path, model_dir) -> dict:
     stat = os.stat(input_path)
     return {"input": os.path.abspath(input_path), "input_bytes": stat.st_size, "input_mtime_ns": stat.st_mtime_ns,
-            "model": os.path.abspath(model_dir), "dtype": args["dtype"], "pooling": args["pooling"],
-            "normalize": args["normalize"], "max_length": args["max_length"], "truncate": args["truncate"],
-            "batch_tokens": args["batch_tokens"], "shard_texts": args["shard_texts"], "field": args["field"],
-            "column": args["column"]}
+            "model": os.path.abspath(model_dir), "model_files": _files(model_dir), "dtype": args["dtype"],
+            "pooling": args["pooling"], "normalize": args["normalize"], "max_length": args["max_length"],
+            "truncate": args["truncate"], "batch_tokens": args["batch_tokens"], "shard_texts": args["shard_texts"],
+            "field": args["field"], "column": args["column"]}
+
+
+def _resumable(previous: dict, manifest: dict) -> list[str]:
+    """The settings that keep `previous`'s shards from being part of this run (none: resume)."""
+    changed = sorted(k for k in manifest if previous.get(k) != manifest[k])
+    if changed == ["truncate"] and manifest["truncate"]:
+        return []  # the shards so far hold no text over max_length (the run would have stopped): truncation changes none
+    return changed
 
 
 def _complete_shards(parts: str) -> int:
@@ -82,11 +113,11 @@ def _complete_shards(parts: str) -> int:
     return done
 
 
-def _assemble(parts: str, count: int, out: str) -> int:
-    """The shards, in order, into `out` (.npy or .parquet, written under a temporary name first)."""
+def _assemble(parts: str, count: int, out: str, width: int) -> int:
+    """The shards ([texts, width] each), in order, into `out` (.npy or .parquet, written under a temporary
+    name first)."""
     shards = [os.path.join(parts, f"{i:06d}.npy") for i in range(count)]
     rows = sum(np.load(s, mmap_mode="r").shape[0] for s in shards)
-    width = np.load(shards[0], mmap_mode="r").shape[1] if shards else 0
     tmp = out + ".tmp"
     if out.endswith(".npy"):
         array = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(rows, width))
@@ -124,9 +155,14 @@ def run(model_dir: str, input_path: str, output: str, dtype: str = "fp32", batch
         raise InputError("pooling 'none' gives one array per text: the encode command writes pooled embeddings")
     if not os.path.isdir(model_dir):
         raise InputError(f"--model {model_dir}: not a directory")
+    for name, value, least in (("--batch-tokens", batch_tokens, 1), ("--shard-texts", shard_texts, 1),
+                               ("--max-length", max_length, 2)):  # [CLS] and [SEP] at the least
+        if value is not None and value < least:
+            raise InputError(f"{name} must be at least {least}, got {value}")
     texts = read_texts(input_path, field, column)
     model, tokenizer = load(model_dir, dtype)
-    max_length = max_length or default_max_length(model, tokenizer, model_dir)
+    if max_length is None:
+        max_length = default_max_length(model, tokenizer, model_dir)
     settings = dict(dtype=dtype, pooling=pooling, normalize=normalize, max_length=max_length, truncate=truncate,
                     batch_tokens=batch_tokens, shard_texts=shard_texts, field=field, column=column)
     manifest = _manifest(settings, input_path, model_dir)
@@ -135,18 +171,19 @@ def run(model_dir: str, input_path: str, output: str, dtype: str = "fp32", batch
         shutil.rmtree(parts)
     os.makedirs(parts, exist_ok=True)
     manifest_path = os.path.join(parts, "manifest.json")
-    if os.path.exists(manifest_path):
-        with open(manifest_path) as f:
-            previous = json.load(f)
-        if previous != manifest:
-            changed = sorted(k for k in manifest if previous.get(k) != manifest[k])
+    done = _complete_shards(parts)
+    if done:
+        previous = {}
+        if os.path.exists(manifest_path):
+            with open(manifest_path) as f:
+                previous = json.load(f)
+        changed = _resumable(previous, manifest)
+        if changed:
             raise InputError(f"{parts} holds a run with other settings or input ({', '.join(changed)}): "
                              "pass --restart to start over")
-    else:
-        with open(manifest_path + ".tmp", "w") as f:
-            json.dump(manifest, f, indent=1)
-        os.replace(manifest_path + ".tmp", manifest_path)
-    done = _complete_shards(parts)
+    with open(manifest_path + ".tmp", "w") as f:  # a run without shards has nothing to keep: this one's settings
+        json.dump(manifest, f, indent=1)
+    os.replace(manifest_path + ".tmp", manifest_path)
     if done:
         print(f"resuming after {done} complete shards ({done * shard_texts} texts) in {parts}", file=sys.stderr)
     texts = itertools.islice(texts, done * shard_texts, None)
@@ -180,7 +217,7 @@ def run(model_dir: str, input_path: str, output: str, dtype: str = "fp32", batch
     finally:
         if bar is not None:
             bar.close()
-    rows = _assemble(parts, shard, output)
+    rows = _assemble(parts, shard, output, model.config.hidden_size)
     shutil.rmtree(parts)
     elapsed = time.perf_counter() - started
     print(f"{rows} texts -> {output} ({counts[0] / max(elapsed, 1e-9):.0f} texts/s, "

@@ -32,7 +32,7 @@ class Embedder:
         if threads:
             torch.set_num_threads(threads)
         self.model, self.tokenizer = load(model, dtype)
-        self.max_length = max_length or default_max_length(self.model, self.tokenizer, model)
+        self.max_length = max_length if max_length is not None else default_max_length(self.model, self.tokenizer, model)
         self.column, self.output_column = column, output_column
         self.options = dict(pooling=pooling, normalize=normalize, batch_tokens=batch_tokens, truncate=truncate)
 
@@ -41,7 +41,11 @@ class Embedder:
 
         if self.column not in batch:
             raise KeyError(f"the batch has no column {self.column!r} (columns: {', '.join(batch)})")
-        texts = [str(t) for t in batch[self.column]]
+        texts = list(batch[self.column])
+        for row, t in enumerate(texts):
+            if not isinstance(t, str):  # a null is not the text "None"
+                raise TypeError(f"row {row} of column {self.column!r} is {type(t).__name__}, not a string")
+        texts = [str(t) for t in texts]  # numpy's str_ as str
         embeddings = encode(self.model, texts, self.tokenizer, max_length=self.max_length, window=max(len(texts), 1),
                             **self.options)
         return {**batch, self.output_column: np.asarray(embeddings.numpy(), dtype=np.float32)}
