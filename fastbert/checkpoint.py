@@ -112,6 +112,12 @@ def from_pretrained(cls, directory, dtype: torch.dtype | None = None, **kwargs):
         problems.append("mis-shaped tensors: " + "; ".join(misshaped))
     if problems:
         raise ValueError(f"cannot load {directory} into {cls.__name__}: " + " | ".join(problems))
+    for target, source in tied.items():  # an alias stored with a value of its own stays apart, as in transformers
+        if target in mapped and source in mapped and not torch.equal(mapped[target], mapped[source]):
+            module, _, name = target.rpartition(".")
+            setattr(model.get_submodule(module), name, torch.nn.Parameter(torch.empty_like(expected[target])))
+            logger.warning("fastbert: %s holds %s and %s, tied in %s, with different values: they are not tied",
+                           directory, source, target, cls.__name__)
     model.load_state_dict(mapped, strict=False)
     if ignored:
         logger.warning("fastbert: %s ignored %d checkpoint tensors it has no module for: %s",

@@ -90,7 +90,9 @@ class BertSelfAttention(nn.Module):
         self.query = nn.Linear(config.hidden_size, config.hidden_size)
         self.key = nn.Linear(config.hidden_size, config.hidden_size)
         self.value = nn.Linear(config.hidden_size, config.hidden_size)
-        self.dropout_p = config.attention_probs_dropout_prob
+        # A module, read at each call as transformers' is: a rate set on it later (disable_dropout, set_dropout)
+        # holds, and optimize() shares transformers' own.
+        self.dropout = nn.Dropout(config.attention_probs_dropout_prob)
         self.prepared = ops.PreparedWeights()  # the stacked QKV weight and its packed copy, for inference
 
     def fused_qkv(self):
@@ -111,7 +113,7 @@ class BertSelfAttention(nn.Module):
 
     def forward(self, x, attention_mask=None, need_weights=False, packing=None, x_rows=None):
         """`x_rows`: x as ops.QuantizedRows, for the int8 QKV GEMM (the LayerNorm before made them)."""
-        p = self.dropout_p if self.training else 0.0
+        p = self.dropout.p if self.training else 0.0
         gemm_input = x if x_rows is None else x_rows
         if packing is not None:  # x [T, H], packed tokens
             q, k, v = self.project(gemm_input)  # 3 x [T, heads, d]
@@ -129,13 +131,13 @@ class BertSelfOutput(nn.Module):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.dropout_p = config.hidden_dropout_prob
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)  # its rate read at each call, as in BertSelfAttention
         self.prepared = ops.PreparedWeights()
 
     def forward(self, hidden, residual, quantize_output=False):
         """LayerNorm(dense(hidden) + residual); with `quantize_output` (out, out as ops.QuantizedRows)."""
         y = linear(self.dense, hidden, prepared=self.prepared)
-        p = self.dropout_p if self.training else 0.0
+        p = self.dropout.p if self.training else 0.0
         return ops.add_layer_norm(y, residual, self.LayerNorm.weight, self.LayerNorm.bias, self.LayerNorm.eps, p,
                                   quantize_output)
 
@@ -379,7 +381,7 @@ class BertModel(BertPreTrainedModel):
 
     def padding_free(self, x, attention_mask) -> bool:
         """Run the encoder on packed tokens? When there is padding and a varlen kernel can serve."""
-        dropout_p = self.config.attention_probs_dropout_prob if self.training else 0.0
+        dropout_p = max(layer.attention.self.dropout.p for layer in self.encoder.layer) if self.training else 0.0
         return dispatch.prefers_varlen(x, self.config.head_dim, dropout_p) and padding.worth_unpadding(attention_mask)
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,

@@ -270,6 +270,22 @@ def test_tied_weights_stay_tied(tmp_path, name, dtype):
     assert_tied(ours)
 
 
+def test_an_alias_stored_with_a_value_of_its_own_is_not_tied(tmp_path, caplog):
+    perturbed(transformers.BertForMaskedLM(transformers.BertConfig(**SMALL))).save_pretrained(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    source = state["bert.embeddings.word_embeddings.weight"]
+    state["cls.predictions.decoder.weight"] = torch.randn_like(source)  # sorts after the source: read last
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with caplog.at_level(logging.WARNING, logger="fastbert"):
+        ours = fastbert.BertForMaskedLM.from_pretrained(tmp_path)
+    assert any("with different values: they are not tied" in r.getMessage() for r in caplog.records)
+    theirs = transformers.BertForMaskedLM.from_pretrained(tmp_path).eval()  # keeps both, untied
+    assert torch.equal(ours.bert.embeddings.word_embeddings.weight, source)
+    assert torch.equal(ours.cls.predictions.decoder.weight, state["cls.predictions.decoder.weight"])
+    assert set(ours.tied_weights()) == {"cls.predictions.decoder.bias"}
+    assert_same_outputs(ours, theirs)
+
+
 def test_untied_when_config_says_so(tmp_path):
     cfg = fastbert.BertConfig(**SMALL, extra={"tie_word_embeddings": False})
     ours = perturbed(fastbert.BertForMaskedLM(cfg))

@@ -125,3 +125,116 @@ def test_sentence_transformers_encode_unchanged(sentence_models):
     assert_matches(ours, theirs, name="sentence embeddings")
     sim = ours @ ours.T  # related pairs score above unrelated ones
     assert sim[0, 1] > sim[0, 2] + 0.3 and sim[2, 3] > sim[2, 4] + 0.2
+
+
+def test_config_defaults_for_outputs_hold_as_in_transformers():
+    hf = transformers.BertModel(transformers.BertConfig(**SMALL, output_hidden_states=True)).eval()
+    plain = copy.deepcopy(hf)
+    fastbert.optimize(hf)
+    ids = torch.randint(1, 120, (2, 7))
+    with fastbert.dispatch.record() as calls:
+        a = hf(ids)
+    assert ran_fastbert(calls)
+    b = plain(ids)
+    assert a.hidden_states is not None and len(a.hidden_states) == len(b.hidden_states) == 3
+    for i, (x, y) in enumerate(zip(a.hidden_states, b.hidden_states)):
+        assert_matches(x, y, name=f"hidden_states[{i}]")
+    hf.config.return_dict = plain.config.return_dict = False
+    assert isinstance(hf(ids), tuple) and isinstance(plain(ids), tuple)
+
+
+def test_dropout_rates_set_on_modules_later_hold():
+    """Rates set on the dropout modules (as TRL's disable_dropout does) hold, not the config's."""
+    hf = transformers.BertModel(transformers.BertConfig(**{**SMALL, "hidden_dropout_prob": 0.3,
+                                                           "attention_probs_dropout_prob": 0.3})).train()
+    plain = copy.deepcopy(hf)
+    ours = fastbert.BertModel(fastbert.BertConfig(**{**SMALL, "hidden_dropout_prob": 0.3,
+                                                     "attention_probs_dropout_prob": 0.3})).train()
+    fastbert.optimize(hf)
+    for model in (hf, plain, ours):
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+    ids = torch.randint(1, 120, (2, 7))
+    with fastbert.dispatch.record() as calls:
+        a = hf(ids).last_hidden_state
+    assert ran_fastbert(calls)
+    assert_matches(a, plain(ids).last_hidden_state, name="optimized, dropout off")
+    assert_matches(ours(ids).last_hidden_state, ours.eval()(ids).last_hidden_state, name="fastbert, dropout off")
+
+
+class LowRankAdapter(torch.nn.Module):
+    """A LoRA-style wrapper: the Linear plus a low-rank term (has .weight, as peft's wrappers do)."""
+
+    def __init__(self, base):
+        super().__init__()
+        self.base = base
+        self.down, self.up = torch.nn.Linear(base.in_features, 2, bias=False), torch.nn.Linear(2, base.out_features, bias=False)
+
+    @property
+    def weight(self):
+        return self.base.weight
+
+    def forward(self, x):
+        return self.base(x) + self.up(self.down(x))
+
+
+def test_modules_swapped_in_later_are_followed():
+    hf = transformers.BertModel(transformers.BertConfig(**SMALL)).eval()
+    plain = copy.deepcopy(hf)
+    fastbert.optimize(hf)
+    for model in (hf, plain):
+        model.resize_token_embeddings(130)
+    plain.embeddings.word_embeddings.weight.data.copy_(hf.embeddings.word_embeddings.weight.data)
+    ids = torch.tensor([[5, 125, 7, 129], [3, 4, 128, 2]])  # ids past the old vocabulary
+    with fastbert.dispatch.record() as calls:
+        a = hf(ids).last_hidden_state
+    assert ran_fastbert(calls)
+    assert_matches(a, plain(ids).last_hidden_state, name="after resize_token_embeddings")
+    new = torch.nn.Embedding(130, 64)
+    hf.set_input_embeddings(new)
+    plain.set_input_embeddings(copy.deepcopy(new))
+    assert_matches(hf(ids).last_hidden_state, plain(ids).last_hidden_state, name="after set_input_embeddings")
+    # An adapter fastbert's kernels would skip: transformers' forward runs the model, with a warning.
+    for model in (hf, plain):
+        layer = model.encoder.layer[0].attention.self
+        torch.manual_seed(1)
+        layer.query = LowRankAdapter(layer.query)
+    with pytest.warns(UserWarning, match="query is a LowRankAdapter, not a plain Linear"):
+        with fastbert.dispatch.record() as calls:
+            a = hf(ids).last_hidden_state
+    assert not ran_fastbert(calls)
+    assert_matches(a, plain(ids).last_hidden_state, name="with an adapter")
+    # optimize() on a model that has one already refuses it, and leaves the model as it was.
+    adapted = copy.deepcopy(plain)
+    forward = adapted.forward
+    with pytest.raises(TypeError, match="encoder.layer.0.attention.self.query is a LowRankAdapter"):
+        fastbert.optimize(adapted)
+    assert adapted.forward == forward
+
+
+def test_gradient_checkpointing_reaches_the_encoder():
+    hf = transformers.BertModel(transformers.BertConfig(**SMALL)).train()
+    plain = copy.deepcopy(hf)
+    fastbert.optimize(hf)
+    hf.gradient_checkpointing_enable()
+    runs = []
+    hf._fastbert_encoder.encoder.layer[0].register_forward_pre_hook(lambda *_: runs.append(1))
+    ids = torch.randint(1, 120, (2, 7))
+    for model in (hf, plain):
+        out = model(ids)
+        (out.last_hidden_state.sum() + out.pooler_output.sum()).backward()
+    assert len(runs) == 2  # the forward, and its recomputation in backward (which stops early: a pre-hook)
+    assert_same_gradients(hf, plain)
+
+
+def test_a_4d_mask_goes_to_transformers():
+    hf = transformers.BertModel(transformers.BertConfig(**SMALL)).eval()
+    plain = copy.deepcopy(hf)
+    fastbert.optimize(hf)
+    ids = torch.randint(1, 120, (2, 6))
+    mask = torch.ones(2, 1, 6, 6, dtype=torch.bool).tril()  # causal: not a padding mask
+    with fastbert.dispatch.record() as calls:
+        a = hf(ids, attention_mask=mask).last_hidden_state
+    assert not ran_fastbert(calls)
+    assert_matches(a, plain(ids, attention_mask=mask).last_hidden_state, name="4-D mask")

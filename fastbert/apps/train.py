@@ -375,8 +375,6 @@ def set_dropout(model, p: float | None) -> None:
     for module in model.modules():  # the modules copied their rates from the config when built
         if isinstance(module, torch.nn.Dropout):
             module.p = p
-        if hasattr(module, "dropout_p"):  # fastbert's attention and output layers
-            module.dropout_p = p
 
 
 # ------------------------------------------------------------------------------ pretraining

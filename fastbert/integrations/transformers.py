@@ -4,11 +4,12 @@ encoder on fastbert's kernels in place, sharing its weights; `register_attention
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from fastbert.config import BertConfig
 from fastbert.model import BertModel
-from fastbert.quantization import is_quantized
 from fastbert.quantization import quantize as fastbert_quantize
 
 # HF BertModel.forward arguments fastbert's encoder serves; anything else (inputs_embeds, cross
@@ -35,21 +36,65 @@ def _hf_bert_of(model):
     )
 
 
+_LEAVES = (torch.nn.Linear, torch.nn.Embedding, torch.nn.LayerNorm, torch.nn.Dropout)
+
+
+def _plain(module) -> bool:
+    """Whether `module` computes what its torch.nn class does: an adapter wrapped around a Linear (LoRA) or
+    a subclass with a forward of its own does not, and fastbert's kernels would skip what it adds."""
+    kind = next((c for c in _LEAVES if isinstance(module, c)), None)
+    return kind is not None and type(module).forward is kind.forward
+
+
 def _encoder_sharing(hf_bert):
     """A fastbert BertModel whose leaf modules are `hf_bert`'s own: the same parameters, not copies."""
     config = BertConfig.from_dict(hf_bert.config.to_dict())  # raises on what fastbert cannot run
     with torch.device("meta"):  # built without allocating: every leaf is replaced below
         ours = BertModel(config, add_pooling_layer=hf_bert.pooler is not None)
     for name, module in list(ours.named_modules()):
-        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding, torch.nn.LayerNorm, torch.nn.Dropout)):
+        if isinstance(module, _LEAVES):
+            theirs = hf_bert.get_submodule(name)
+            if not _plain(theirs):
+                raise TypeError(f"fastbert.optimize: {name} is a {type(theirs).__name__}, not a plain "
+                                f"{type(module).__name__} (merge adapters into the weights, or optimize before adding them)")
             parent_name, _, leaf = name.rpartition(".")
             parent = ours.get_submodule(parent_name) if parent_name else ours
-            setattr(parent, leaf, hf_bert.get_submodule(name))
+            setattr(parent, leaf, theirs)
     # Parameters this model has but transformers' lacks would be meta tensors: refuse rather than run.
     hf_params = {id(p) for p in hf_bert.parameters()}
     strangers = [n for n, p in ours.named_parameters() if id(p) not in hf_params]
     if strangers:
         raise TypeError(f"fastbert.optimize: {', '.join(strangers)} have no counterpart in the transformers model")
+    return ours
+
+
+def _tree(hf_bert) -> list:
+    """What the encoder was built on: (parent, name, child) for every submodule, and the table sizes
+    (resize_token_embeddings changes a table in place, and the config)."""
+    config = hf_bert.config
+    return [(parent, name, child) for parent in hf_bert.modules() for name, child in parent._modules.items()] + [
+        (config.vocab_size, config.type_vocab_size, config.max_position_embeddings)]
+
+
+def _encoder_for_now(hf_bert):
+    """fastbert's encoder on `hf_bert`'s modules as they are now, or None where fastbert cannot serve them
+    (transformers' forward runs then). A module swapped in since (set_input_embeddings,
+    resize_token_embeddings, an adapter) rebuilds the encoder on the new ones."""
+    state = hf_bert.__dict__
+    *modules, sizes = state["_fastbert_tree"]
+    config = hf_bert.config
+    if sizes == (config.vocab_size, config.type_vocab_size, config.max_position_embeddings) and all(
+            parent._modules.get(name) is child for parent, name, child in modules):
+        return state["_fastbert_encoder"]
+    quantized = state["_fastbert_quantized"]
+    try:
+        ours = _encoder_sharing(hf_bert)
+        if quantized:
+            fastbert_quantize(ours, freeze=False)
+    except (TypeError, ValueError) as e:
+        warnings.warn(f"{e}; transformers' own forward runs this model from now on", stacklevel=3)
+        ours = None
+    state["_fastbert_encoder"], state["_fastbert_tree"] = ours, _tree(hf_bert)
     return ours
 
 
@@ -61,29 +106,42 @@ class OptimizedForward:
     def __init__(self, hf_bert):
         self.hf_bert = hf_bert
 
-    def __call__(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, **kwargs):
+    def __call__(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, *args, **kwargs):
         from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
 
         hf_bert = self.hf_bert
         passed = {k for k, v in kwargs.items() if v is not None and v is not False}
-        if input_ids is None or passed - _SERVED:
-            return type(hf_bert).forward(hf_bert, input_ids=input_ids, attention_mask=attention_mask,
-                                         token_type_ids=token_type_ids, position_ids=position_ids, **kwargs)
-        ours = hf_bert.__dict__["_fastbert_encoder"]
+        # transformers' forward serves what fastbert's does not: other arguments, 3-D / 4-D masks.
+        ours = None
+        if input_ids is not None and not args and not passed - _SERVED and (attention_mask is None or attention_mask.dim() == 2):
+            ours = _encoder_for_now(hf_bert)
+        if ours is None:
+            return type(hf_bert).forward(hf_bert, input_ids, attention_mask, token_type_ids, position_ids, *args, **kwargs)
+        config = hf_bert.config
+
+        def setting(name, default):  # the call's, else the config's (as transformers' forward decides)
+            value = kwargs.get(name)
+            return bool(getattr(config, name, default) if value is None else value)
+
         ours.train(hf_bert.training)
+        # gradient_checkpointing_enable() marks transformers' layers (every one, or every n-th): fastbert's
+        # encoder then recomputes every layer in backward, the same numbers.
+        ours.encoder.gradient_checkpointing = bool(getattr(hf_bert, "is_gradient_checkpointing", False))
         out = ours(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
-                   output_hidden_states=bool(kwargs.get("output_hidden_states")),
-                   output_attentions=bool(kwargs.get("output_attentions")))
+                   output_hidden_states=setting("output_hidden_states", False),
+                   output_attentions=setting("output_attentions", False))
         result = BaseModelOutputWithPoolingAndCrossAttentions(
             last_hidden_state=out.last_hidden_state, pooler_output=out.pooler_output,
             hidden_states=out.hidden_states, attentions=out.attentions)
-        return result if kwargs.get("return_dict", True) is not False else result.to_tuple()
+        return result if setting("return_dict", True) else result.to_tuple()
 
 
 def optimize(model, quantize: str | None = None):
     """Run a transformers BERT (BertModel, BertFor*, or a SentenceTransformer on BERT) on fastbert's
     kernels, in place: the encoder's forward is replaced, the weights are shared, not copied. Returns
-    `model`. Anything unsupported raises a clear error and leaves the model untouched.
+    `model`. Anything unsupported raises a clear error and leaves the model untouched. Modules swapped in
+    later (resized embeddings, adapters) are followed: the encoder is rebuilt on them, or, where they are
+    not plain torch modules, transformers' own forward runs (with a warning).
 
     quantize="int8": the encoder's linears run as int8 copies (fastbert.quantize, dynamic per-token
     activations), for inference only; transformers' own float weights stay in place (its forward still
@@ -91,9 +149,8 @@ def optimize(model, quantize: str | None = None):
     if quantize not in (None, "int8"):
         raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
     hf_bert = _hf_bert_of(model)
-    ours = hf_bert.__dict__.get("_fastbert_encoder")
-    if ours is not None:
-        if quantize and not is_quantized(ours):
+    if "_fastbert_tree" in hf_bert.__dict__:
+        if quantize and not hf_bert.__dict__["_fastbert_quantized"]:
             raise ValueError("this model was optimized without quantize: optimize a fresh copy with quantize='int8'")
         return model  # already optimized
     ours = _encoder_sharing(hf_bert)
@@ -101,9 +158,9 @@ def optimize(model, quantize: str | None = None):
         # New int8 modules in fastbert's encoder; transformers' own stay float, and their parameters as they
         # were (not frozen): run the model under torch.no_grad() or torch.inference_mode().
         fastbert_quantize(ours, freeze=False)
-    # Both outside the module tree (plain attributes): state_dict, parameters() and .to() stay HF's, and
-    # the encoder's leaf modules are HF's own, so dtype / device moves and loads reach it.
-    hf_bert.__dict__["_fastbert_encoder"] = ours
+    # Plain attributes, outside the module tree: state_dict, parameters() and .to() stay HF's, and the
+    # encoder's leaf modules are HF's own, so dtype / device moves and loads reach it.
+    hf_bert.__dict__.update(_fastbert_encoder=ours, _fastbert_tree=_tree(hf_bert), _fastbert_quantized=bool(quantize))
     hf_bert.forward = OptimizedForward(hf_bert)
     return model
 
