@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 
 import torch
 
@@ -17,7 +18,8 @@ from fastbert.config import BertConfig
 
 logger = logging.getLogger("fastbert")
 
-SAFETENSORS, SAFETENSORS_INDEX, PICKLE = "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"
+SAFETENSORS, PICKLE = "model.safetensors", "pytorch_model.bin"
+SAFETENSORS_INDEX, PICKLE_INDEX = SAFETENSORS + ".index.json", PICKLE + ".index.json"  # sharded checkpoints
 # Tensors a checkpoint may carry that no fastbert module owns and nobody needs to hear about.
 _SILENT = ("embeddings.position_ids", "embeddings.token_type_ids")
 
@@ -33,27 +35,31 @@ def read_state_dict(directory: str) -> dict[str, torch.Tensor]:
         except (SafetensorError, OSError, ValueError) as e:
             raise ValueError(f"{path} is not a readable safetensors file (truncated or corrupted?): {e}") from None
 
-    path = os.path.join(directory, SAFETENSORS)
-    if os.path.isfile(path):
-        return load_safetensors(path)
-    path = os.path.join(directory, SAFETENSORS_INDEX)
-    if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        state: dict[str, torch.Tensor] = {}
-        for shard in shards:
-            state.update(load_safetensors(os.path.join(directory, shard)))
-        return state
-    path = os.path.join(directory, PICKLE)
-    if os.path.isfile(path):
+    def load_pickle(path):
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:  # weights_only refuses anything but tensors and plain containers
+        except pickle.UnpicklingError as e:  # weights_only refuses anything but tensors and plain containers
             raise ValueError(f"{path} was refused: it holds more than tensors (fastbert never unpickles code): {e}") from None
+        except (RuntimeError, OSError, EOFError) as e:
+            raise ValueError(f"{path} is not a readable PyTorch file (truncated or corrupted?): {e}") from None
         if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
             raise ValueError(f"{path} must hold a dict of tensors")
         return state
-    raise FileNotFoundError(f"no weights in {directory}: expected {SAFETENSORS}, {SAFETENSORS_INDEX} or {PICKLE}")
+
+    for single, index, load in ((SAFETENSORS, SAFETENSORS_INDEX, load_safetensors), (PICKLE, PICKLE_INDEX, load_pickle)):
+        path = os.path.join(directory, single)
+        if os.path.isfile(path):
+            return load(path)
+        path = os.path.join(directory, index)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+            state: dict[str, torch.Tensor] = {}
+            for shard in shards:
+                state.update(load(os.path.join(directory, shard)))
+            return state
+    raise FileNotFoundError(f"no weights in {directory}: expected {SAFETENSORS}, {SAFETENSORS_INDEX}, {PICKLE} "
+                            f"or {PICKLE_INDEX}")
 
 
 def _canonical(key: str) -> str:

@@ -49,6 +49,32 @@ def test_loads_weights_only_bin(tmp_path):
     assert_same_states(fastbert.BertModel.from_pretrained(tmp_path), hf)
 
 
+def test_loads_sharded_weights_only_bin(tmp_path):
+    import json
+
+    hf = transformers.BertModel(transformers.BertConfig(**SMALL)).eval()
+    hf.config.save_pretrained(tmp_path)
+    state = hf.state_dict()
+    names = list(state)
+    shards = {"pytorch_model-00001-of-00002.bin": names[: len(names) // 2],
+              "pytorch_model-00002-of-00002.bin": names[len(names) // 2:]}
+    for shard, keys in shards.items():
+        torch.save({k: state[k] for k in keys}, tmp_path / shard)
+    weight_map = {k: shard for shard, keys in shards.items() for k in keys}
+    (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    assert_same_states(fastbert.BertModel.from_pretrained(tmp_path), hf)
+
+
+def test_truncated_bin_is_a_clear_error(tmp_path):
+    hf = transformers.BertModel(transformers.BertConfig(**SMALL))
+    hf.config.save_pretrained(tmp_path)
+    torch.save(hf.state_dict(), tmp_path / "pytorch_model.bin")
+    data = (tmp_path / "pytorch_model.bin").read_bytes()
+    (tmp_path / "pytorch_model.bin").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="pytorch_model.bin is not a readable PyTorch file \\(truncated or corrupted"):
+        fastbert.BertModel.from_pretrained(tmp_path)
+
+
 def test_bert_for_masked_lm_checkpoint_prefix_and_ignored_heads(tmp_path, caplog):
     hf = hf_saved(tmp_path, transformers.BertForMaskedLM)
     with caplog.at_level(logging.WARNING, logger="fastbert"):
