@@ -21,6 +21,11 @@ import threading
 import time
 from pathlib import Path
 
+try:
+    import fcntl  # POSIX: the cache file's merges take turns
+except ImportError:
+    fcntl = None
+
 import torch
 
 from fastbert import environment
@@ -35,7 +40,10 @@ _lock = threading.Lock()
 
 
 def enabled() -> bool:
-    return environment.get("FASTBERT_CPU_TUNE", "1").strip() != "0"
+    value = environment.get("FASTBERT_CPU_TUNE", "1").strip() or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"FASTBERT_CPU_TUNE must be 0 (the static defaults) or 1 (measure), got {value!r}")
+    return value == "1"
 
 
 def cache_path() -> Path:
@@ -116,6 +124,19 @@ def _read(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
+def _valid(entry) -> bool:
+    """An entry as choose() writes it (a file edited by hand or by another version may hold anything)."""
+    return (isinstance(entry, dict) and isinstance(entry.get("choice"), str) and isinstance(entry.get("ms"), dict)
+            and all(isinstance(ms, (int, float)) for ms in entry["ms"].values()))
+
+
+def _mine(data: dict) -> dict:
+    """This machine's table in the cache file's `data` (made empty if it holds something else)."""
+    if not isinstance(data.get(machine()), dict):
+        data[machine()] = {}
+    return data[machine()]
+
+
 _table: dict[str, dict] | None = None  # this machine's entries, read once from the cache file
 
 
@@ -124,7 +145,7 @@ def entries() -> dict[str, dict]:
     global _table
     with _lock:
         if _table is None:
-            _table = dict(_read(cache_path()).get(machine(), {}))
+            _table = {key: entry for key, entry in _mine(_read(cache_path())).items() if _valid(entry)}
         return dict(_table)
 
 
@@ -140,16 +161,21 @@ def _store(key: str, entry: dict) -> None:
     with _lock:
         if _table is not None:  # forget() may have run since entries() read it
             _table[key] = entry
+        tmp = None
         try:  # merge with what other processes wrote since, then replace the file in one step
             path.parent.mkdir(parents=True, exist_ok=True)
-            data = _read(path)
-            data.setdefault(machine(), {})[key] = entry
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".variants-")
-            with os.fdopen(fd, "w") as f:
-                json.dump(data, f, indent=1, sort_keys=True)
-            os.replace(tmp, path)
+            with open(path.parent / ".variants.lock", "a") as lock:
+                if fcntl is not None:  # processes merge in turn: none drops what another just wrote
+                    fcntl.flock(lock, fcntl.LOCK_EX)
+                data = _read(path)
+                _mine(data)[key] = entry
+                fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".variants-")
+                with os.fdopen(fd, "w") as f:
+                    json.dump(data, f, indent=1, sort_keys=True)
+                os.replace(tmp, path)
         except OSError:  # a read-only home: the choice still holds for this process
-            pass
+            if tmp is not None and os.path.exists(tmp):
+                os.unlink(tmp)
 
 
 def _run(fn, args, backward: bool) -> None:
@@ -200,7 +226,12 @@ def _medians_ms(candidates: dict, args, backward: bool, repeats: int = REPEATS,
     `cold`: each timed call after evict() and warm_all_but_weights()."""
     times = {name: [] for name in candidates}
     sweep = sweep_buffer() if cold else None
-    with torch.enable_grad() if backward else torch.no_grad():
+    if backward:  # leaves of the trials' own: a backward through the call's tensors would free the caller's graph
+        args = tuple(a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args)
+    # What the trials save stays theirs: inside a checkpointed region it would join the region's records,
+    # and the recomputation (which finds the choice made and runs no trials) would not match them.
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), (
+            torch.enable_grad() if backward else torch.no_grad()):
         for fn in candidates.values():
             _run(fn, args, backward)  # warm-up: packing, first-touch allocations
         for _ in range(repeats):

@@ -202,6 +202,62 @@ def test_training_calls_are_measured_with_their_backward(tuned):
     assert_close(x.grad, torch.ones(64, 48, dtype=torch.float64) @ w.detach().double(), torch.float32, "grad")
 
 
+def test_measuring_a_training_call_leaves_the_callers_graph_whole(tuned):
+    """A weight that is also an ancestor of the input (a decoder tied to the embeddings), and a call inside
+    a checkpointed region: the trials' backward must not free the caller's graph, nor add to what the
+    region saved (the recomputation, finding the choice made, runs no trials)."""
+    skip_unless_runnable("dense", "cpu", torch.float32)
+    from torch.utils.checkpoint import checkpoint
+
+    ids = torch.randint(0, 40, (6,))
+    w, b = torch.randn(40, 16, requires_grad=True), torch.randn(40, requires_grad=True)
+    x = torch.nn.functional.embedding(ids, w).tanh()
+    ops.dense(x, w, b).sum().backward()
+    expected = torch.autograd.grad(torch.nn.functional.linear(torch.nn.functional.embedding(ids, w).tanh(), w, b).sum(), w)[0]
+    assert_close(w.grad, expected.double(), torch.float32, "grad")
+    w.grad = None
+    x = torch.randn(20, 16, requires_grad=True)  # another size class: measured inside the region
+    checkpoint(lambda t: ops.dense(t, w, b).tanh(), x, use_reentrant=False).sum().backward()
+    assert_close(x.grad, torch.autograd.grad(torch.nn.functional.linear(x, w, b).tanh().sum(), x)[0].double(),
+                 torch.float32, "grad")
+    assert set(tuning.entries()) == {"dense cpu float32 train m8 k16 n40 none", "dense cpu float32 train m32 k16 n40 none"}
+
+
+def test_a_cache_file_of_another_shape_is_ignored(tuned):
+    skip_unless_runnable("dense", "cpu", torch.float32)
+    from fastbert.info import variants_report
+
+    for mine in (None, [1], {"dense cpu float32 infer cold m4 k16 n8 none": "onednn",
+                             "dense cpu float32 infer cold m5 k16 n8 none": {"choice": "torch", "ms": {"torch": "x"}}}):
+        (tuned / "variants.json").write_text(json.dumps({tuning.machine(): mine}))
+        tuning.forget()
+        dispatch._picked.clear()
+        with torch.no_grad():
+            ops.dense(torch.randn(4, 16), torch.randn(8, 16), None)
+        assert "dense cpu float32 infer cold m4 k16 n8 none" in "\n".join(variants_report())
+        assert all(isinstance(e, dict) for e in json.loads((tuned / "variants.json").read_text())[tuning.machine()].values())
+
+
+def test_two_processes_measuring_at_once_keep_each_others_entries(tuned):
+    import subprocess
+
+    code = ("import sys, time; from fastbert import tuning\n"
+            "time.sleep(max(0.0, float(sys.argv[2]) - time.time()))  # both start storing at once\n"
+            "for i in range(200): tuning._store(f'{sys.argv[1]} {i}', {'choice': 'torch', 'ms': {'torch': 1.0}})")
+    start = str(time.time() + 8)
+    runs = [subprocess.Popen([sys.executable, "-c", code, name, start]) for name in ("a", "b")]
+    assert [r.wait(timeout=120) for r in runs] == [0, 0]
+    tuning.forget()
+    assert len(tuning.entries()) == 400
+    assert not [p for p in tuned.iterdir() if p.name.startswith(".variants-")]  # no temporary file left
+
+
+def test_an_unknown_tuning_setting_is_an_error(monkeypatch):
+    monkeypatch.setenv("FASTBERT_CPU_TUNE", "off")
+    with pytest.raises(ValueError, match="FASTBERT_CPU_TUNE must be 0 .* or 1 .*, got 'off'"):
+        tuning.enabled()
+
+
 def test_a_model_tuned_on_this_machine_gives_the_untuned_numbers(tuned):
     skip_unless_runnable("attention", "cpu", torch.float32)
     config = fastbert.BertConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -701,6 +701,7 @@ void forward_with(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           const int64_t nk = std::min(kBlockK, keys - kb);
           // Right-padded batches have no padding left among the visited keys: then no bias to add.
           const bool masked = std::find(bias.begin() + kb, bias.begin() + kb + nk, -kInf) != bias.begin() + kb + nk;
+          const bool kept = !masked || std::find(bias.begin() + kb, bias.begin() + kb + nk, 0.f) != bias.begin() + kb + nk;
           // Each row's maximum comes with the scores where the product takes it (not with a padding bias).
           const bool have_max = products.scores(qb, nq, kb, nk, scale, S.data(), block_max.data()) && !masked;
           const int64_t lds = products.score_stride(nk);  // S's row stride
@@ -716,18 +717,22 @@ void forward_with(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               VecF vmax(-kInf);
               for_vectors(nk, [&](int64_t j, int64_t m) {
                 VecF x = VecF::loadu(s + j, m);
-                if (masked) {
-                  x = x + VecF::loadu(bias.data() + kb + j, m);
+                if (masked) {  // a padding key's score is -inf whatever it holds (x + -inf would keep a NaN)
+                  const VecF padding = VecF::loadu(bias.data() + kb + j, m);
+                  x = VecF::blendv(x, padding, padding < VecF(0.f));
                   x.store(s + j, m);
                 }
                 vmax = max_of_lanes(vmax, x, m);
               });
               top = reduce_max(vmax) * pending;
             }
-            const float m_new = std::max(top, row_max[r]);  // in this order a NaN score stays NaN
-            if (m_new == -kInf) {  // every key so far is padding: nothing to add
-              std::fill(p, p + ld, 0.f);
-              continue;
+            float m_new = std::max(top, row_max[r]);  // in this order a NaN score stays NaN
+            if (m_new == -kInf) {
+              if (!kept) {  // every key so far is padding: nothing to add
+                std::fill(p, p + ld, 0.f);
+                continue;
+              }
+              m_new = std::numeric_limits<float>::quiet_NaN();  // kept keys all scored -inf: NaN, as softmax gives
             }
             const float correction = std::exp(row_max[r] - m_new);  // 0 on the first kept block
             // One pass: exp, the row's sum, and the probabilities stored as P V reads them (rounded to
@@ -844,15 +849,18 @@ void backward_with(const at::Tensor& grad, const at::Tensor& q, const at::Tensor
       products.start(qp + lq.at(i, s0, h, 0), lq.row, kp + lk.at(i, s0, h, 0), lk.row, vp + lv.at(i, s0, h, 0),
                      lv.row, gp + lg.at(i, s0, h, 0), lg.row, L, keys, d);
       for (int64_t r = 0; r < L; ++r) LSE[r] = lp[ll.at(i, s0, h, r)];
-      // P^T [nk, nq] = exp(K Q^T * scale + bias - lse) of tile (kb, qb): -inf bias or +inf lse give 0.
+      // P^T [nk, nq] = exp(K Q^T * scale - lse) of tile (kb, qb), 0 at padding keys; +inf lse gives 0.
       // With dropout, `kept` gets the probabilities dropout kept, scaled by 1 / (1 - p).
       auto probabilities = [&](int64_t kb, int64_t nk, int64_t qb, int64_t nq) {
         products.scores(kb, nk, qb, nq, scale, P.data());
         for (int64_t j = 0; j < nk; ++j) {
           float* p = P.data() + j * nq;
-          const VecF kbias(bias[kb + j]);
+          if (bias[kb + j] == -kInf) {  // padding: 0 whatever its score holds
+            std::fill(p, p + nq, 0.f);
+            continue;
+          }
           for_vectors(nq, [&](int64_t r, int64_t m) {
-            exp_fp32(VecF::loadu(p + r, m) + kbias - VecF::loadu(LSE.data() + qb + r, m)).store(p + r, m);
+            exp_fp32(VecF::loadu(p + r, m) - VecF::loadu(LSE.data() + qb + r, m)).store(p + r, m);
           });
         }
         if (dropout.on())  // P^T's row j is key kb + j over queries qb ...: a column run of keep()

@@ -10,6 +10,18 @@ constexpr float kInvSqrt2Pi = 0.39894228040143268f;
 constexpr float kTanhScale = 0.79788456080286536f;  // sqrt(2 / pi)
 constexpr float kTanhCubic = 0.044715f;
 
+// 1 + erf(x / sqrt 2), at least 0 (a NaN kept): the bfloat16 erf passes -1 by ~2e-5 at its clamp, and
+// x (1 + erf) would then grow with |x| below x = -5.5, with the wrong sign (GELU(-1e6) was 8.56).
+template <typename T>
+inline VecF one_plus_erf(const VecF& x) {
+  const VecF y = VecF(1.f) + erf_for<T>(x * VecF(kInvSqrt2));
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_max_ps(_mm512_setzero_ps(), y);  // max returns its second operand when either is NaN
+#else
+  return at::vec::maximum(y, VecF(0.f));
+#endif
+}
+
 template <typename T>
 inline VecF gelu(const VecF& x, bool tanh_form) {
   const VecF half(0.5f), one(1.f);
@@ -17,7 +29,7 @@ inline VecF gelu(const VecF& x, bool tanh_form) {
     VecF inner = VecF(kTanhScale) * (x + VecF(kTanhCubic) * x * x * x);
     return half * x * (one + inner.tanh());
   }
-  return half * x * (one + erf_for<T>(x * VecF(kInvSqrt2)));
+  return half * x * one_plus_erf<T>(x);
 }
 
 // d gelu(x) / dx
@@ -30,7 +42,7 @@ inline VecF gelu_grad(const VecF& x, bool tanh_form) {
     VecF dinner = VecF(kTanhScale) * (one + VecF(3.f * kTanhCubic) * x2);
     return half * (one + t) + half * x * (one - t * t) * dinner;
   }
-  VecF cdf = half * (one + erf_for<T>(x * VecF(kInvSqrt2)));
+  VecF cdf = half * one_plus_erf<T>(x);
   VecF pdf = VecF(kInvSqrt2Pi) * (VecF(-0.5f) * x * x).exp();
   return cdf + x * pdf;
 }

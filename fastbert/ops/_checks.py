@@ -23,8 +23,14 @@ def same_dtype_device(**tensors) -> None:
             continue
         if t.device != device:
             raise ValueError(f"{name} is on {t.device} but {first_name} is on {device}")
-        if t.dtype != dtype and t.is_floating_point():
+        if t.dtype != dtype:
             raise ValueError(f"{name} has dtype {t.dtype} but {first_name} has dtype {dtype}")
+
+
+def features(name: str, t) -> None:
+    """A last dimension of 0 leaves nothing to normalize or project: an error, not a reshape deep inside."""
+    if t.shape[-1] == 0:
+        raise ValueError(f"{name} has a last dimension of 0 (no features), shape {tuple(t.shape)}")
 
 
 def same_device(name: str, t, other_name: str, other) -> None:

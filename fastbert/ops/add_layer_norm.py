@@ -21,6 +21,7 @@ def add_layer_norm(x, residual, weight, bias, eps: float, dropout_p: float = 0.0
         _checks.tensor("weight", weight, (1,))
         _checks.tensor("bias", bias, (1,))
         _checks.same_dtype_device(x=x, residual=residual, weight=weight, bias=bias)
+        _checks.features("x", x)
         _checks.shape("residual", residual, x.shape, "the shape of x")
         _checks.shape("weight", weight, (x.shape[-1],), "x's last dimension")
         _checks.shape("bias", bias, (x.shape[-1],), "x's last dimension")

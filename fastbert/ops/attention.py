@@ -72,7 +72,23 @@ dispatch.register("varlen_attention", "reference", dispatch.Support(("cpu", "cud
 
 
 def _head_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
+    """t as the kernels read it in place (the head dim contiguous, rows that do not overlap), else a dense
+    copy: an expanded gradient (stride 0) or rows closer than d made BLAS refuse its leading dimension and
+    the backward return garbage. `.contiguous()` would keep the odd strides of a tensor torch calls
+    contiguous (an empty one, or size-1 dims)."""
+    if t.stride(-1) == 1 and _rows_apart(t):
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+
+
+def _rows_apart(t: torch.Tensor) -> bool:
+    """Whether no two elements of t share memory (each dim's stride spans the smaller dims before it)."""
+    span = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+        if stride < span:
+            return False
+        span = stride * size
+    return True
 
 
 def _empty_output(q: torch.Tensor, allocate=_alloc.empty) -> torch.Tensor:

@@ -16,6 +16,7 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") ->
         _checks.tensor("x", x, (1, 2, 3, 4))
         _checks.tensor("bias", bias, (1,))
         _checks.same_dtype_device(x=x, bias=bias)
+        _checks.features("x", x)
         _checks.shape("bias", bias, (x.shape[-1],), "the last dimension of x")
         if approximate not in reference.APPROXIMATIONS:
             raise ValueError(f"approximate must be one of {reference.APPROXIMATIONS}, got {approximate!r}")

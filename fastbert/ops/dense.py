@@ -34,8 +34,11 @@ EPILOGUES = {("none", "none"): "none", ("gelu", "none"): "gelu", ("gelu", "tanh"
 
 def linear_checks(x, weight, bias, activation, approximate, prepared) -> None:
     """The checks every linear op shares (dense, quantized_dense) past its tensors' own."""
+    _checks.features("x", x)
     if weight.shape[1] != x.shape[-1]:
         raise ValueError(f"weight must have shape [N, {x.shape[-1]}] (x's last dimension), got {tuple(weight.shape)}")
+    if weight.shape[0] == 0:
+        raise ValueError(f"weight has no rows (0 output features), shape {tuple(weight.shape)}")
     if bias is not None:
         _checks.tensor("bias", bias, (1,))
         _checks.shape("bias", bias, (weight.shape[0],), "weight's first dimension")

@@ -23,6 +23,7 @@ def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         _checks.tensor("x", x, (2, 3))
         _checks.tensor("weight", weight, (2,))
         _checks.same_dtype_device(x=x, weight=weight, bias=bias)
+        _checks.features("x", x)
         _checks.shape("weight", weight, (3 * hidden, hidden), "3 x hidden rows for q, k, v; hidden columns")
         if bias is not None:
             _checks.shape("bias", bias, (3 * hidden,), "3 x hidden")

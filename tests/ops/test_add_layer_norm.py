@@ -87,6 +87,7 @@ OPCHECKS = [
 test_opcheck = opcheck_test(OPCHECKS)
 
 test_bad_input = bad_input_test([
+    (lambda: ops.add_layer_norm(torch.randn(2, 0), torch.randn(2, 0), torch.randn(0), torch.randn(0), 1e-5), "x has a last dimension of 0"),
     (lambda: ops.add_layer_norm(torch.randn(2, 4), torch.randn(2, 5), torch.randn(4), torch.randn(4), 1e-5), "residual must have shape \\(2, 4\\)"),
     (lambda: ops.add_layer_norm(torch.randn(2, 4), torch.randn(2, 4), torch.randn(4), torch.randn(4), 0.0), "eps must be positive"),
     # Tensors on different devices ("meta" stands in for a second device on a machine without a GPU).

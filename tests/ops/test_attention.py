@@ -373,6 +373,51 @@ def test_cpu_nan_key_gives_nan_not_zeros(dtype, variant, blas, monkeypatch):
     assert bool(out[0, 0].isfinite().all() and out[1].isfinite().all())
 
 
+@pytest.mark.parametrize("varlen", [False, True], ids=["padded", "varlen"])
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=dtype_id)
+def test_cpu_expanded_and_overlapping_rows(dtype, varlen):
+    """Rows 0 or fewer than d elements apart (an expanded gradient, as out.sum(2) sends back; a query
+    expanded over the sequence; rows that overlap) equal the reference: read in place, they made BLAS
+    refuse a leading dimension of 0 and the backward return garbage."""
+    spec = VARLEN if varlen else ATTENTION
+    shape = (30, 2, 16) if varlen else (2, 2, 15, 16)
+    row = 0 if varlen else 2  # the dim along the sequence
+    extra = [cu_seqlens([12, 18]), 18] if varlen else []
+    one_row = list(shape)
+    one_row[row] = 1
+    q0 = torch.randn(one_row).to(dtype)
+    strides = (16, 8, 1) if varlen else (2 * 15 * 8, 15 * 8, 8, 1)  # rows 8 apart, d = 16: each shares half of the next
+    storage = torch.randn(sum((n - 1) * st for n, st in zip(shape, strides)) + 1).to(dtype)
+    k_overlapping = storage.as_strided(shape, strides)
+    for q, k in ((q0.expand(shape), torch.randn(shape).to(dtype)), (torch.randn(shape).to(dtype), k_overlapping)):
+        args = [leaf(q.contiguous(), dtype).expand(shape) if q.stride(row) == 0 else leaf(q, dtype),
+                leaf(k, dtype), leaf(torch.randn(shape), dtype), *extra]
+        grad = [torch.randn(one_row).to(dtype).expand(shape)]  # stride 0 along the sequence
+        with dispatch.use_backend("cpu", op=spec.op), dispatch.use_variant(spec.op, "fastbert"), dispatch.record() as calls:
+            outs, grads, grad_outs = forward_backward(spec.public, args, {}, grad)
+        assert_ran([c for c in calls if c[0] == spec.op], spec.op, "cpu")
+        compare_with_reference(spec, dtype, args, {}, outs, grads, grad_outs)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=dtype_id)
+def test_cpu_nan_in_a_padding_key_is_ignored_and_minus_inf_scores_give_nan(dtype):
+    """A padding key is left out whatever it holds, between kept keys as after them (a NaN there made every
+    query NaN); a row whose kept keys all score -inf (an infinite input) is NaN as softmax makes it, not
+    the zeros of a row with no kept key."""
+    q, k, v = (torch.randn(1, 2, 6, 16).to(dtype) for _ in range(3))
+    mask = torch.tensor([[1, 0, 1, 1, 0, 1]], dtype=torch.bool)
+    k[0, :, 1] = float("nan")
+    q[0, 1, 2] = -float("inf")
+    k[0, 1, [0, 2, 3, 5]] = k[0, 1, [0, 2, 3, 5]].abs()  # every kept key scores -inf against that query
+    with dispatch.use_backend("cpu", op="attention"), dispatch.use_variant("attention", "fastbert"):
+        out = ops.attention(q, k, v, mask)
+    want = reference.attention(*upcast(q, k, v), mask)
+    nan = torch.zeros(out.shape, dtype=torch.bool)
+    nan[0, 1, 2] = True
+    assert bool(out[nan].isnan().all()) and bool(out[~nan].isfinite().all())
+    assert_close(out[~nan], want[~nan], dtype, "elementwise", name="the other rows")
+
+
 # ------------------------------------------------------------------------------ edge cases found by properties
 
 

@@ -61,6 +61,7 @@ OPCHECKS = [
 test_opcheck = opcheck_test(OPCHECKS)
 
 test_bad_input = bad_input_test([
+    (lambda: ops.bias_gelu(torch.randn(2, 0), torch.randn(0)), "x has a last dimension of 0"),
     (lambda: ops.bias_gelu(torch.randn(2, 4), torch.randn(5)), "bias must have shape \\(4,\\)"),
     (lambda: ops.bias_gelu(torch.randn(2, 4), torch.randn(4, dtype=torch.float64)), "bias has dtype torch.float64 but x has dtype torch.float32"),
     (lambda: ops.bias_gelu(torch.randn(2, 4), torch.randn(4), approximate="sigmoid"), "approximate must be one of"),
@@ -101,6 +102,18 @@ def test_every_regime_of_erf(dtype, approximate):
     for name, got, want, kind in (("output", out, t_out, "elementwise"), ("gelu'", grad_x, t_grad_x, "grad")):
         worst = float(((got.detach().double() - want.detach()).abs() / want.detach().abs().clamp_min(1.0)).max())
         assert worst <= tolerance(dtype, kind), f"{name}: largest elementwise error {worst:.3g} > {tolerance(dtype, kind):g}"
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=dtype_id)
+def test_far_below_zero_gelu_is_zero_from_below(dtype, approximate):
+    """Below x = -6 GELU and its derivative are 0 to within 1e-7, however far (the bfloat16 erf, passing
+    -1 past its clamp, once made GELU(-1e6) = +8.56)."""
+    x = -torch.cat([torch.tensor([6, 7, 10, 100, 1e4, 1e5, 1e6]), torch.rand(249) * 1e3 + 6])
+    args = [leaf(x.reshape(2, -1), dtype), leaf(torch.zeros(128), dtype)]
+    out, (grad_x, _) = run_cpu(SPEC, args, {"approximate": approximate}, torch.ones(2, 128, dtype=dtype))
+    assert bool((out <= 0).all()) and float(out.abs().max()) <= 1e-7, out[out.abs() > 1e-7]
+    assert float(grad_x.abs().max()) <= 1e-7, grad_x[grad_x.abs() > 1e-7]
 
 
 # ------------------------------------------------------------------------------ cuda (csrc/cuda)

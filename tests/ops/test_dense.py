@@ -78,6 +78,8 @@ OPCHECKS = [
 test_opcheck = opcheck_test(OPCHECKS)
 
 test_bad_input = bad_input_test([
+    (lambda: ops.dense(torch.randn(2, 0), torch.randn(3, 0)), "x has a last dimension of 0"),
+    (lambda: ops.dense(torch.randn(2, 4), torch.randn(0, 4)), "weight has no rows"),
     (lambda: ops.dense(torch.randn(2, 4), torch.randn(3, 5)), "weight must have shape \\[N, 4\\]"),
     (lambda: ops.dense(torch.randn(2, 4), torch.randn(3, 4), torch.randn(4)), "bias must have shape \\(3,\\)"),
     (lambda: ops.dense(torch.randn(2, 4), torch.randn(3, 4), activation="relu"), "activation must be one of"),
