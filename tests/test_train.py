@@ -226,6 +226,10 @@ def test_pretrain_resume_matches_an_uninterrupted_run(tmp_path, corpus):
         assert states[2][key] == states[0][key] and states[1][key] == states[0][key][:3], key
     # And the halfway weights are not the final ones: the second half did train.
     assert not torch.equal(weights(half)["cls.seq_relationship.weight"], a["cls.seq_relationship.weight"])
+    # Resuming with what changes the run is refused, naming it, before anything trains.
+    with pytest.raises(ValueError, match=r"with other settings \(--lr 0.001 -> 1.0, --seed 0 -> 3\)"):
+        run(*pretrain_args(corpus, tmp_path / "other", "--resume", half, "--grad-accum", 2, "--lr", 1, "--seed", 3))
+    assert not (tmp_path / "other").exists()
 
 
 @pytest.fixture
@@ -410,3 +414,10 @@ def test_bad_arguments_fail_clearly(tmp_path, corpus):
         run(*pretrain_args(corpus, tmp_path / "b", "--batch-size", 512))
     with pytest.raises(FileNotFoundError, match="no training_state.pt"):
         run(*pretrain_args(corpus, tmp_path / "c", "--resume", corpus[1]))
+    for flag, message in (("--steps", "--steps must be positive, got 0"), ("--grad-accum", "--grad-accum must be positive, got 0"),
+                          ("--batch-size", "--batch-size must be positive, got 0")):
+        with pytest.raises(ValueError, match=message):
+            run(*pretrain_args(corpus, tmp_path / "d", flag, 0))
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9 au lait\n\nanother one\n")
+    with pytest.raises(ValueError, match="latin1.txt is not UTF-8 text \\(byte 0xe9"):
+        run(*pretrain_args((str(tmp_path / "latin1.txt"), corpus[1]), tmp_path / "e"))

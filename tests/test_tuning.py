@@ -223,6 +223,25 @@ def test_measuring_a_training_call_leaves_the_callers_graph_whole(tuned):
     assert set(tuning.entries()) == {"dense cpu float32 train m8 k16 n40 none", "dense cpu float32 train m32 k16 n40 none"}
 
 
+def test_a_masked_lm_trains_while_its_ops_are_measured(tuned, monkeypatch):
+    """The decoder tied to the word embeddings: the case that crashed pretraining on a fresh machine."""
+    skip_unless_runnable("dense", "cpu", torch.float32)
+    config = fastbert.BertConfig(vocab_size=120, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = fastbert.BertForMaskedLM(config).train()
+    ids = torch.randint(1, 120, (2, 9))
+
+    def decoder_grad():
+        model.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        return model.bert.embeddings.word_embeddings.weight.grad.clone()
+
+    measured = decoder_grad()
+    assert any(key.startswith("dense cpu float32 train") for key in tuning.entries())
+    monkeypatch.setenv("FASTBERT_CPU_TUNE", "0")
+    assert_close(measured, decoder_grad().double(), torch.float32, "grad")
+
+
 def test_a_cache_file_of_another_shape_is_ignored(tuned):
     skip_unless_runnable("dense", "cpu", torch.float32)
     from fastbert.info import variants_report

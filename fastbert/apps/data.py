@@ -17,7 +17,11 @@ def read_corpus(path) -> list[list[str]]:
     blank lines."""
     documents, current = [], []
     with open(path, encoding="utf-8") as f:
-        for line in f:
+        try:
+            lines = f.readlines()
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
+        for line in lines:
             line = line.strip()
             if line:
                 current.append(line)

@@ -231,6 +231,26 @@ def state_path(directory) -> str:
     return path
 
 
+# What a run's course depends on: a resumed run must keep them (another schedule, batch or seed is
+# another run: start it from the checkpoint's weights instead).
+RUN_ARGS = ("steps", "epochs", "batch_size", "grad_accum", "lr", "weight_decay", "warmup_steps", "max_grad_norm",
+            "max_length", "bf16", "seed")
+
+
+def same_run(directory, args: TrainArgs) -> None:
+    """Refuse to resume from `directory` with arguments that change the run (named in the error)."""
+    path = os.path.join(directory, "training_args.json")
+    if not os.path.isfile(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        saved = json.load(f)
+    changed = [f"--{k.replace('_', '-')} {saved[k]} -> {getattr(args, k)}" for k in RUN_ARGS
+               if k in saved and saved[k] != getattr(args, k)]
+    if changed:
+        raise ValueError(f"cannot resume from {directory} with other settings ({', '.join(changed)}): a resumed run "
+                         "continues the same run; start a new one from its weights (--model) to change them")
+
+
 def load_training_state(directory) -> dict:
     return torch.load(state_path(directory), map_location="cpu", weights_only=True)  # tensors and plain containers only
 
@@ -246,6 +266,13 @@ def train(model, tokenizer, stream: BatchStream, loss_fn, args: TrainArgs) -> li
     from tqdm import tqdm
 
     rank, world = distributed()
+    for name, bad in (("steps", args.epochs is None and args.steps < 1), ("epochs", args.epochs is not None and args.epochs <= 0),
+                      ("batch-size", args.batch_size < 1), ("grad-accum", args.grad_accum < 1)):
+        if bad:
+            value = getattr(args, name.replace("-", "_"))
+            raise ValueError(f"--{name} must be positive, got {value}")
+    if args.resume:
+        same_run(args.resume, args)
     if args.batch_size % (args.grad_accum * world):
         raise ValueError(f"--batch-size {args.batch_size} must be divisible by --grad-accum ({args.grad_accum}) "
                          f"x processes ({world})")
