@@ -27,7 +27,7 @@ def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         _checks.shape("weight", weight, (3 * hidden, hidden), "3 x hidden rows for q, k, v; hidden columns")
         if bias is not None:
             _checks.shape("bias", bias, (3 * hidden,), "3 x hidden")
-        if not isinstance(num_heads, int) or num_heads <= 0 or hidden % num_heads:
+        if not isinstance(num_heads, int) or isinstance(num_heads, bool) or num_heads <= 0 or hidden % num_heads:
             raise ValueError(f"num_heads must be a positive divisor of hidden size {hidden}, got {num_heads}")
         if prepared is not None and not isinstance(prepared, PreparedWeights):
             raise ValueError(f"prepared must be a fastbert.ops.PreparedWeights or None, got {type(prepared).__name__}")

@@ -56,6 +56,7 @@ OPCHECKS = [
 test_opcheck = opcheck_test(OPCHECKS)
 
 test_bad_input = bad_input_test([
+    (lambda: ops.qkv_projection(torch.randn(2, 8), torch.randn(24, 8), torch.randn(24), True), "num_heads must be a positive divisor"),
     (lambda: ops.qkv_projection(torch.randn(2, 8), torch.randn(24, 8), torch.ones(24, dtype=torch.long), 2),
      "bias has dtype torch.int64 but x has dtype torch.float32"),
     (lambda: ops.qkv_projection(torch.randn(2, 3, 8), torch.randn(24, 8), torch.randn(24), 3), "num_heads must be a positive divisor"),
