@@ -19,22 +19,37 @@ from fastbert.quantization import Int8Linear
 
 
 class ModelOutput:
-    """Base of the output dataclasses. Like transformers' outputs: attributes, and indexing over the
-    fields that are set (out[0], out[1])."""
+    """Base of the output dataclasses. Like transformers' outputs, a mapping of the fields that are set:
+    attributes, out["loss"], "loss" in out, keys() / values() / items(), iteration over the names, and
+    indexing by position (out[0], out[1])."""
+
+    def keys(self) -> list[str]:
+        return [f.name for f in fields(self) if getattr(self, f.name) is not None]
+
+    def values(self) -> list:
+        return [getattr(self, name) for name in self.keys()]
+
+    def items(self) -> list[tuple]:
+        return list(zip(self.keys(), self.values()))
 
     def to_tuple(self) -> tuple:
-        return tuple(getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None)
+        return tuple(self.values())
 
     def __getitem__(self, index):
         if isinstance(index, str):
+            if index not in self.keys():
+                raise KeyError(index)
             return getattr(self, index)
         return self.to_tuple()[index]
 
+    def __contains__(self, name) -> bool:
+        return name in self.keys()
+
     def __iter__(self):
-        return iter(self.to_tuple())
+        return iter(self.keys())
 
     def __len__(self):
-        return len(self.to_tuple())
+        return len(self.keys())
 
 
 @dataclass

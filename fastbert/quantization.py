@@ -5,6 +5,7 @@ them. Embeddings, LayerNorm, softmax, attention, the pooler, the heads and the r
 the model's float dtype."""
 from __future__ import annotations
 
+import copy
 import re
 
 import torch
@@ -159,8 +160,17 @@ def replace_linears(model: nn.Module, mode: str = "dynamic") -> list[Int8Linear]
         made.append(Int8Linear.from_linear(linear, static=mode == "static"))
         setattr(parent, leaf, made[-1])
     model.clear_prepared_weights()
+    # A config of the model's own: another model built on the same config object stays a float model.
+    _set_config(model, model.config, copy.deepcopy(model.config))
     model.config.extra["fastbert_quantization"] = {"bits": 8, "mode": mode}
     return made
+
+
+def _set_config(model: nn.Module, old, new) -> None:
+    """`new` wherever the model and its parts (a head's encoder) hold `old`."""
+    for module in model.modules():
+        if getattr(module, "config", None) is old:
+            module.config = new
 
 
 def _run(model, batch) -> None:
@@ -189,29 +199,45 @@ def quantize(model: nn.Module, mode: str = "dynamic", calibration=None, observer
         raise ValueError("calibration is for mode='static'; dynamic quantization measures each token itself")
     if observer not in OBSERVERS:
         raise ValueError(f"observer must be one of {OBSERVERS}, got {observer!r}")
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    config, training = getattr(model, "config", None), model.training
     layers = replace_linears(model, mode)
     model.eval()
-    if mode == "static":
-        # Calibrate on the dynamic int8 model: each layer sees the inputs the quantized layers before it give.
-        scales = [(m.input_scale, m.input_zero_point) for m in layers]
-        for m in layers:
-            m.input_scale = m.input_zero_point = None
-            m.observer = RangeObserver(observer)
-        try:
-            with torch.inference_mode():
-                for batch in calibration:
-                    _run(model, batch)
-            for m, (scale, zero_point) in zip(layers, scales):
-                lo, hi = m.observer.range()
-                scale[()], zero_point[()] = reference.range_to_scale(lo, hi)
-                m.input_scale, m.input_zero_point = scale, zero_point
-        finally:
-            for m in layers:
-                m.observer = None
+    try:
+        if mode == "static":
+            _calibrate(model, layers, calibration, observer)
+    except BaseException:  # the model as it was: not half int8, its config saying static
+        for name, linear in linears.items():
+            parent_name, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, leaf, linear)
+        _set_config(model, model.config, config)
         model.clear_prepared_weights()
+        model.train(training)
+        raise
     if freeze:
         model.requires_grad_(False)
     return model
+
+
+def _calibrate(model, layers, calibration, observer) -> None:
+    """Each static layer's input range from the calibration batches, run through the model."""
+    # Calibrate on the dynamic int8 model: each layer sees the inputs the quantized layers before it give.
+    scales = [(m.input_scale, m.input_zero_point) for m in layers]
+    for m in layers:
+        m.input_scale = m.input_zero_point = None
+        m.observer = RangeObserver(observer)
+    try:
+        with torch.inference_mode():
+            for batch in calibration:
+                _run(model, batch)
+        for m, (scale, zero_point) in zip(layers, scales):
+            lo, hi = m.observer.range()
+            scale[()], zero_point[()] = reference.range_to_scale(lo, hi)
+            m.input_scale, m.input_zero_point = scale, zero_point
+    finally:
+        for m in layers:
+            m.observer = None
+    model.clear_prepared_weights()
 
 
 def fast_activation_dtype() -> torch.dtype:

@@ -226,6 +226,18 @@ def test_attention_probabilities_run_op_by_op(monkeypatch):
     assert runs.count == 0 and len(out.attentions) == CONFIG["num_hidden_layers"]
 
 
+def test_a_strided_layer_input_from_a_hook(monkeypatch):
+    """A forward hook may hand the next layer a valid view that is not contiguous: the one call takes it too."""
+    runs = Runs(monkeypatch)
+    model, (ids, mask) = model_of("fp32"), inputs("unmasked")
+    model.encoder.layer[0].register_forward_hook(
+        lambda module, args, out: (out[0].transpose(0, 1).contiguous().transpose(0, 1), *out[1:]))
+    with torch.inference_mode():
+        outs = [model(ids).last_hidden_state for _ in range(3)]
+    assert runs.count > 0
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
 def test_bad_arguments_are_refused_by_name():
     x = torch.randn(4, 8)
     with pytest.raises(RuntimeError, match="20 weight slots"):

@@ -98,7 +98,7 @@ def test_matches_transformers(case):
     assert a[0] is a.loss and a[1] is set_fields(a)[1][1] and len(a) == len(b)
     as_tuple = ours(ids, attention_mask=mask, token_type_ids=types, return_dict=False, **labels)
     assert isinstance(as_tuple, tuple) and len(as_tuple) == len(a)
-    assert all(torch.equal(x, y) for x, y in zip(as_tuple, a))
+    assert all(torch.equal(x, y) for x, y in zip(as_tuple, a.to_tuple()))
     if problem_type is not None:  # inferred from num_labels and the labels, and kept, as HF does
         assert ours.config.problem_type == theirs.config.problem_type == problem_type
 

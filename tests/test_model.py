@@ -83,6 +83,29 @@ def test_no_pooler_and_tuple_outputs():
     assert not any(k.startswith("pooler") for k in model.state_dict())
 
 
+def test_outputs_are_mappings_of_the_fields_set_as_in_transformers():
+    cfg = fastbert.BertConfig.tiny(vocab_size=100)
+    ids = torch.randint(0, 100, (2, 5))
+    out = fastbert.BertForMaskedLM(cfg).eval()(ids, labels=ids)
+    assert "loss" in out and "hidden_states" not in out
+    assert list(out) == out.keys() == ["loss", "logits"] and len(out) == 2
+    assert out["loss"] is out.loss and out[0] is out.loss and dict(out.items())["logits"] is out.logits
+    with pytest.raises(KeyError):
+        out["hidden_states"]
+
+
+def test_attentions_in_training_are_the_probabilities_after_dropout():
+    """As transformers' eager attention returns them: zeros where dropped, the kept ones scaled by 1 / (1 - p)."""
+    cfg = fastbert.BertConfig.tiny(vocab_size=100, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.5)
+    model = fastbert.BertModel(cfg)
+    ids = torch.randint(0, 100, (2, 12))
+    first = model.eval()(ids, output_attentions=True).attentions[0]  # layer 0 sees the same input either way
+    dropped = model.train()(ids, output_attentions=True).attentions[0]
+    kept = dropped != 0
+    assert 0.3 < float(kept.float().mean()) < 0.7
+    assert_matches(dropped[kept], 2 * first[kept], name="kept probabilities")
+
+
 def test_training_mode_applies_dropout_eval_does_not():
     cfg = fastbert.BertConfig.tiny(vocab_size=100)
     model = fastbert.BertModel(cfg)

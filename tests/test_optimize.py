@@ -116,6 +116,22 @@ def sentence_models():
     return plain, optimized
 
 
+def test_attn_implementation_fastbert_refuses_what_is_not_a_padding_mask():
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    fastbert.register_attention()
+    config = transformers.BertConfig(**SMALL, is_decoder=True)
+    decoder = transformers.BertModel._from_config(copy.deepcopy(config), attn_implementation="fastbert").eval()
+    with pytest.raises(ValueError, match="this layer is causal"):
+        decoder(input_ids=torch.randint(1, 120, (2, 6)))
+    encoder = transformers.BertModel._from_config(transformers.BertConfig(**SMALL), attn_implementation="fastbert")
+    attention = encoder.encoder.layer[0].attention.self
+    q = torch.randn(1, 2, 4, 32)
+    causal = torch.ones(1, 1, 4, 4, dtype=torch.bool).tril()
+    with pytest.raises(ValueError, match="padding masks only"):
+        ALL_ATTENTION_FUNCTIONS["fastbert"](attention, q, q, q, causal)
+
+
 def test_sentence_transformers_encode_unchanged(sentence_models):
     plain, optimized = sentence_models
     with fastbert.dispatch.record() as calls:

@@ -136,6 +136,22 @@ def test_save_and_load_keep_the_int8_weights(tmp_path):
         assert torch.equal(model(ids).last_hidden_state, loaded(ids).last_hidden_state)
 
 
+def test_quantizing_leaves_a_shared_config_and_a_failed_calibration_as_they_were(tmp_path):
+    config = small_config()
+    a, b = fastbert.BertModel(config), fastbert.BertModel(config)
+    fastbert.quantize(a)
+    assert "fastbert_quantization" in a.config.extra and "fastbert_quantization" not in b.config.extra
+    b.save_pretrained(tmp_path)
+    assert isinstance(fastbert.BertModel.from_pretrained(tmp_path).encoder.layer[0].output.dense, torch.nn.Linear)
+    model = fastbert.BertForSequenceClassification(small_config(num_labels=2)).train()
+    ids = torch.randint(5, 500, (2, 8))
+    with pytest.raises(ValueError, match="input_ids must lie in"):
+        fastbert.quantize(model, mode="static", calibration=[ids, torch.full((2, 8), 10 ** 6)])
+    assert not any(isinstance(m, Int8Linear) for m in model.modules())
+    assert "fastbert_quantization" not in model.config.extra and model.bert.config is model.config
+    assert model.training and all(p.requires_grad for p in model.parameters())
+
+
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="mode must be one of"):
         fastbert.quantize(fastbert.BertModel(small_config()), mode="fp4")

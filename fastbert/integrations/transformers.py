@@ -178,11 +178,19 @@ def register_attention(name: str = "fastbert") -> str:
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         # query, key, value: [B, heads, S, d]; returns [B, S, heads, d] as transformers expects.
+        if kwargs.get("is_causal", getattr(module, "is_causal", False)):
+            raise ValueError("fastbert attention is an encoder's (every query sees every kept key); this layer is "
+                             "causal (a decoder): use attn_implementation='sdpa' for it")
         if attention_mask is not None:
             if attention_mask.dtype != torch.bool or attention_mask.dim() != 4:
                 raise ValueError(f"fastbert attention expects transformers' boolean [B, 1, S, S] mask, got "
                                  f"{attention_mask.dtype} {tuple(attention_mask.shape)}")
-            attention_mask = attention_mask[:, 0].any(dim=1)  # [B, S]: keys some query may see (padding only)
+            keys = attention_mask[:, 0].any(dim=1)  # [B, S]: keys some query may see
+            # A padding mask shows every query the same keys; any other (causal, ...) would be lost here.
+            if not torch.compiler.is_compiling() and not bool((attention_mask[:, 0] == keys[:, None]).all()):
+                raise ValueError("fastbert attention takes padding masks only (every query sees the same keys); "
+                                 "this mask differs between queries: use attn_implementation='sdpa'")
+            attention_mask = keys
         out = ops.attention(query, key, value, attention_mask, dropout_p=dropout, scale=scaling)
         return out.transpose(1, 2), None
 

@@ -80,6 +80,7 @@ class LayerProgram:
             cu_seqlens = None
         rows = (None, None, None) if x_rows is None else x_rows[:3]
         codes = self.poisoned_codes if _alloc._poisoning[0] else self.codes
+        x = x.contiguous()  # a hook may hand a layer a strided view; the C++ call reads rows in place
         out = torch.ops.fastbert_C.encoder_layer(x.view(-1, x.shape[-1]), *rows, key_mask, cu_seqlens, batch, seq,
                                                  self.weights, codes, self.eps, quantize_output)
         y = out[0].view(x.shape)

@@ -126,7 +126,8 @@ def softmax(scores):
 
 def attention(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, need_weights=False):
     """q, k, v: [B, heads, S, d]; attention_mask: [B, S] with 1 = keep. Returns [B, heads, S, d]
-    (and the probabilities [B, heads, S, S] if need_weights). A query row with no kept key gives zeros."""
+    (and the probabilities [B, heads, S, S], after dropout, if need_weights). A query row with no kept key gives
+    zeros."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     scores = (q @ k.transpose(-1, -2)) * scale  # [B, heads, S, S]
     if attention_mask is not None:
@@ -138,7 +139,7 @@ def attention(q, k, v, attention_mask=None, dropout_p=0.0, scale=None, need_weig
         probs = softmax(scores)
     dropped = torch.nn.functional.dropout(probs, dropout_p) if dropout_p > 0 else probs
     out = dropped @ v
-    return (out, probs) if need_weights else out
+    return (out, dropped) if need_weights else out  # the probabilities P V used, as transformers' eager returns
 
 
 def varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, scale=None):
