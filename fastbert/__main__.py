@@ -7,13 +7,21 @@ import os
 import sys
 
 
+def positive(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fastbert", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="ops x backends on this machine, and why a backend is unavailable")
     demo = sub.add_parser("demo", help="encode real sentences with all-MiniLM-L6-v2: fastbert vs transformers")
     demo.add_argument("--model", default=None, help="HF BERT directory (default: the bundled all-MiniLM-L6-v2)")
-    demo.add_argument("--repeats", type=int, default=10, help="timed runs of each model (median reported)")
+    demo.add_argument("--repeats", type=positive, default=10, help="timed runs of each model (median reported)")
     bench = sub.add_parser("bench", help="fastbert vs transformers, torch, ONNX Runtime: medians, ratios, GEMM-rate fraction")
     from fastbert.apps import bench as b
 
@@ -31,7 +39,7 @@ def main(argv=None) -> int:
     bench.add_argument("--shapes", type=names(b.SHAPES), default=list(b.SHAPES), help="batch x seq (1x16: a search query), or ragged32")
     bench.add_argument("--competitors", type=names(b.COMPETITORS), default=list(b.DEFAULT_COMPETITORS),
                        help="fastbert, hf-eager, hf-sdpa, compile (torch.compile of hf-sdpa), nested, onnxruntime")
-    bench.add_argument("--rounds", type=int, default=7, help="timed rounds per competitor (median reported)")
+    bench.add_argument("--rounds", type=positive, default=7, help="timed rounds per competitor (median reported)")
     bench.add_argument("--backend", default=None, help="force one fastbert backend for every op")
     bench.add_argument("--out", default="benchmarks/out", help="folder for bench.json and bench.png")
     bench.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the models run")

@@ -3,6 +3,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from fastbert.apps import bench
@@ -51,3 +52,12 @@ def test_bench_int8_rows_check_accuracy_before_timing(tmp_path):
     assert set(row["ms"]) == {"fastbert", "openvino", "onnxruntime"}, row["skipped"]
     # fastbert's per-token int8 is closer to float32 than either int8 anchor (measured 0.06 vs 0.10 and 0.19).
     assert 0 < row["errors"]["fastbert"] < min(row["errors"]["openvino"], row["errors"]["onnxruntime"])
+
+
+def test_rounds_and_repeats_below_one_are_usage_errors(capsys):
+    from fastbert.__main__ import main
+
+    for argv in (["bench", "--rounds", "0"], ["demo", "--repeats", "-1"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert "must be at least 1" in capsys.readouterr().err

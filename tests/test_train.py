@@ -405,6 +405,43 @@ def test_finetune_rejects_unknown_eval_labels(tmp_path, base_model):
     eval_file = write_csv(tmp_path / "eval.csv", sentiment_rows(4), ["neg", "neutral"])
     with pytest.raises(ValueError, match=r"labels \['neutral'\] are not among the model's classes"):
         run(*finetune_args(train_file, base_model, tmp_path / "out", "--steps", 1, "--eval", eval_file))
+    assert not (tmp_path / "out").exists()  # refused before any training
+    with pytest.raises(ValueError, match=r"--max-length must be in \[2, the model's max_position_embeddings"):
+        run(*finetune_args(train_file, base_model, tmp_path / "out", "--steps", 1, "--max-length", 0))
+
+
+@pytest.mark.parametrize("content,message", [
+    (b"text,label\nfine,pos\njustatext\n", "bad.csv:3: the label must be a non-empty string or an integer, got None"),
+    (b"text,label\nfine,pos\nempty label,\n", "bad.csv:3: the label must be a non-empty string or an integer, got ''"),
+    (b'{"text": "a", "label": 1}\n{"text": null, "label": 0}\n', "bad.jsonl:2: the text must be a string"),
+    (b'{"text": "a", "label": 1}\n{"text": "b", "label": null}\n', "bad.jsonl:2: the label must be"),
+    (b'{"text": "a", "label": 1}\n{"text": "b", "label": 1.0}\n', "bad.jsonl:2: the label must be"),
+    (b'{"text": "a", "label": 1}\nnot json\n', "bad.jsonl:2: not JSON"),
+])
+def test_labelled_rows_are_checked_line_by_line(tmp_path, content, message):
+    path = tmp_path / ("bad.jsonl" if content.startswith(b"{") else "bad.csv")
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=message):
+        train.read_labelled(str(path))
+
+
+def test_labelled_files_with_a_byte_order_mark_and_a_single_integer_class(tmp_path):
+    (tmp_path / "bom.csv").write_bytes(b"\xef\xbb\xbftext,label\r\na,pos\r\nb,neg\r\n")
+    assert train.read_labelled(str(tmp_path / "bom.csv")) == [("a", "pos"), ("b", "neg")]
+    (tmp_path / "bom.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "a", "label": 2}\n')
+    assert train.read_labelled(str(tmp_path / "bom.jsonl")) == [("a", "2")]
+    with pytest.raises(ValueError, match="at least 2 classes, the data has only 1"):
+        train.label_names(["1", "1"], fastbert.BertConfig.tiny())
+
+
+def test_other_classes_get_a_new_head(tmp_path, base_model):
+    train_file = write_csv(tmp_path / "train.csv", sentiment_rows(16), ["neg", "pos"])
+    run(*finetune_args(train_file, base_model, tmp_path / "run", "--steps", 1))
+    trained = train.classifier_for(str(tmp_path / "run"), ["neg", "pos"]).classifier.weight
+    again = train.classifier_for(str(tmp_path / "run"), ["pos", "neg"])  # the same classes: the same head
+    assert torch.equal(again.classifier.weight, trained)
+    other = train.classifier_for(str(tmp_path / "run"), ["pos", "zzz"])  # "pos" must not take "neg"'s row
+    assert other.config.extra["label2id"] == {"pos": 0, "zzz": 1} and not torch.equal(other.classifier.weight, trained)
 
 
 def test_bad_arguments_fail_clearly(tmp_path, corpus):

@@ -440,23 +440,37 @@ def pretrain(corpus: str, args: TrainArgs, tokenizer: str | None = None, config:
 
 def read_labelled(path: str) -> list[tuple[str, str]]:
     """(text, label) pairs from a CSV with text and label columns, or JSONL with {"text": ..., "label": ...}.
-    Labels come back as strings ("1", "positive")."""
+    Labels come back as strings ("1", "positive"); a text must be a string and a label a non-empty string or
+    an integer, else the error names the line."""
     path = os.fspath(path)
     rows = []
+
+    def add(where, text, label):
+        if not isinstance(text, str):
+            raise ValueError(f"{where}: the text must be a string, got {type(text).__name__}")
+        if isinstance(label, bool) or not isinstance(label, (str, int)) or not str(label).strip():
+            raise ValueError(f"{where}: the label must be a non-empty string or an integer, got {label!r}")
+        rows.append((text, str(label).strip()))
+
+    # utf-8-sig: a byte order mark (Excel's "CSV UTF-8" writes one) is not part of the first field.
     if path.endswith((".jsonl", ".json")):
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             for n, line in enumerate(f, 1):
                 if line.strip():
-                    record = json.loads(line)
-                    if "text" not in record or "label" not in record:
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
+                    if not isinstance(record, dict) or "text" not in record or "label" not in record:
                         raise ValueError(f"{path}:{n}: each line needs \"text\" and \"label\"")
-                    rows.append((record["text"], str(record["label"])))
+                    add(f"{path}:{n}", record["text"], record["label"])
     else:
-        with open(path, encoding="utf-8", newline="") as f:
+        with open(path, encoding="utf-8-sig", newline="") as f:
             reader = csv.DictReader(f)
             if not {"text", "label"} <= set(reader.fieldnames or ()):
                 raise ValueError(f"{path}: a CSV needs text and label columns, found {reader.fieldnames}")
-            rows = [(r["text"], r["label"].strip()) for r in reader]
+            for r in reader:
+                add(f"{path}:{reader.line_num}", r["text"], r["label"])
     if not rows:
         raise ValueError(f"{path} holds no examples")
     return rows
@@ -468,11 +482,13 @@ def label_names(labels: list[str], config: BertConfig) -> list[str]:
     known = config.extra.get("label2id") or {}
     if known and set(labels) <= set(known):
         return [name for name, _ in sorted(known.items(), key=lambda kv: kv[1])]
-    if all(label.lstrip("-").isdigit() for label in labels):
+    if all(label.isascii() and label.lstrip("-").isdigit() and label == str(int(label)) for label in labels):
         values = [int(label) for label in labels]
         if min(values) < 0:
             raise ValueError("integer labels must be 0 or more")
-        return [str(i) for i in range(max(max(values) + 1, 2))]
+        if len(set(values)) < 2:
+            raise ValueError(f"classification needs at least 2 classes, the data has only {values[0]}")
+        return [str(i) for i in range(max(values) + 1)]
     return sorted(set(labels))
 
 
@@ -487,7 +503,10 @@ def classifier_for(model_dir: str, labels: list[str]):
     names = label_names(labels, cfg)
     if len(names) < 2:
         raise ValueError(f"classification needs at least 2 classes, the data has {names}")
-    if cfg.num_labels != len(names):  # a new head of the right size, freshly initialized
+    known = [name for name, _ in sorted((cfg.extra.get("label2id") or {}).items(), key=lambda kv: kv[1])]
+    generic = known == [f"LABEL_{i}" for i in range(len(known))]  # transformers' default names: none given
+    # Another number of classes, or other classes (a trained row must not serve another name): a new head.
+    if cfg.num_labels != len(names) or (known and not generic and known != names):
         model.classifier = nn.Linear(cfg.hidden_size, len(names))
         model.init_weights(model.classifier)
         model.num_labels = cfg.num_labels = len(names)
@@ -528,6 +547,7 @@ def finetune(train_file: str, model_dir: str, args: TrainArgs, eval_file: str | 
     The tokenizer defaults to the model directory's, else the bundled one. Returns {"losses": [...]}
     plus the --eval file's accuracy, loss and counts (also written to out/eval_results.json)."""
     rows = read_labelled(train_file)
+    eval_rows = read_labelled(eval_file) if eval_file else None  # its errors before the training, not after
     if args.resume:
         state_path(args.resume)  # fail before any loading
     tok = load_tokenizer(tokenizer_source(args.resume, tokenizer, model_dir))
@@ -536,13 +556,16 @@ def finetune(train_file: str, model_dir: str, args: TrainArgs, eval_file: str | 
     check_vocab(model, tok)
     set_dropout(model, dropout)
     label2id = model.config.extra["label2id"]
+    if not 2 <= args.max_length <= model.config.max_position_embeddings:
+        raise ValueError(f"--max-length must be in [2, the model's max_position_embeddings "
+                         f"{model.config.max_position_embeddings}], got {args.max_length}")
     examples = classification_examples(rows, tok, label2id, args.max_length)
+    eval_examples = classification_examples(eval_rows, tok, label2id, args.max_length) if eval_rows else None
     stream = BatchStream(lambda g: examples, lambda chosen, g: data.collate(chosen, tok.pad_token_id),
                          args.batch_size, args.seed)
     result = {"losses": train(model, tok, stream, classification_loss, args)}
     rank, _ = distributed()
-    if eval_file and rank == 0:
-        eval_examples = classification_examples(read_labelled(eval_file), tok, label2id, args.max_length)
+    if eval_examples and rank == 0:
         result.update(evaluate(model, eval_examples, tok.pad_token_id, bf16=args.bf16))
         with open(os.path.join(args.out, "eval_results.json"), "w", encoding="utf-8") as f:
             json.dump({k: v for k, v in result.items() if k != "losses"}, f, indent=2)
