@@ -153,6 +153,10 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, kind:
     err = diff_norm / max(ref_norm, 1e-300)
     if ref_norm > 0 and not bool(o.any()):
         raise AssertionError(f"{name}: out is all zeros, the reference is not (norm {ref_norm:.3g})")
+    if naive is not None:
+        assert naive.shape == ref.shape, f"{name}: naive has shape {tuple(naive.shape)}, the reference {tuple(ref.shape)}"
+        if not bool(torch.isfinite(naive).all()):
+            naive = None  # plain PyTorch overflowed: it says nothing of the conditioning, and widens nothing
     naive_err = rel_err(naive, ref) if naive is not None else None
     bound = tol
     if naive_err is not None and naive_err > tol:  # ill-conditioned: plain PyTorch misses the table too

@@ -85,6 +85,19 @@ def test_the_ill_conditioned_escape_is_bounded():
     assert_close(off_by(0.9 * cap), REF, torch.bfloat16, "grad", naive=off_by(0.75 * cap))
 
 
+def test_a_plain_pytorch_that_overflowed_widens_nothing():
+    """A same-dtype PyTorch with an inf or NaN says nothing of the conditioning: the table holds (an inf once
+    widened the bound to its cap, a NaN switched the 2x check off); one of another shape is the test's error."""
+    tol = tolerance(torch.float32, "elementwise")
+    for bad in (float("inf"), float("nan")):
+        naive = REF.clone()
+        naive[3] = bad
+        with pytest.raises(AssertionError, match="rel err"):
+            assert_close(off_by(3 * tol), REF, torch.float32, "elementwise", naive=naive)
+    with pytest.raises(AssertionError, match="naive has shape"):
+        assert_close(REF, REF, torch.float32, "elementwise", naive=REF[:1])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_a_small_gradient_is_held_to_the_table_relative_to_its_own_norm(dtype):
     """A gradient 1e-3 of the call's largest is not rounding noise: 5x the table off (relative to its own
