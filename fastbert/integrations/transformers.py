@@ -68,6 +68,16 @@ def _encoder_sharing(hf_bert):
     return ours
 
 
+def _encoder_for(hf_bert, quantized: bool):
+    """_encoder_sharing's encoder, its linears as int8 copies where the model was optimized with quantize:
+    new int8 modules in fastbert's encoder; transformers' own stay float, and their parameters as they were
+    (not frozen): run the model under torch.no_grad() or torch.inference_mode()."""
+    ours = _encoder_sharing(hf_bert)
+    if quantized:
+        fastbert_quantize(ours, freeze=False)
+    return ours
+
+
 def _tree(hf_bert) -> list:
     """What the encoder was built on: (parent, name, child) for every submodule, and the table sizes
     (resize_token_embeddings changes a table in place, and the config)."""
@@ -86,11 +96,8 @@ def _encoder_for_now(hf_bert):
     if sizes == (config.vocab_size, config.type_vocab_size, config.max_position_embeddings) and all(
             parent._modules.get(name) is child for parent, name, child in modules):
         return state["_fastbert_encoder"]
-    quantized = state["_fastbert_quantized"]
     try:
-        ours = _encoder_sharing(hf_bert)
-        if quantized:
-            fastbert_quantize(ours, freeze=False)
+        ours = _encoder_for(hf_bert, state["_fastbert_quantized"])
     except (TypeError, ValueError) as e:
         warnings.warn(f"{e}; transformers' own forward runs this model from now on", stacklevel=3)
         ours = None
@@ -153,11 +160,7 @@ def optimize(model, quantize: str | None = None):
         if quantize and not hf_bert.__dict__["_fastbert_quantized"]:
             raise ValueError("this model was optimized without quantize: optimize a fresh copy with quantize='int8'")
         return model  # already optimized
-    ours = _encoder_sharing(hf_bert)
-    if quantize:
-        # New int8 modules in fastbert's encoder; transformers' own stay float, and their parameters as they
-        # were (not frozen): run the model under torch.no_grad() or torch.inference_mode().
-        fastbert_quantize(ours, freeze=False)
+    ours = _encoder_for(hf_bert, bool(quantize))
     # Plain attributes, outside the module tree: state_dict, parameters() and .to() stay HF's, and the
     # encoder's leaf modules are HF's own, so dtype / device moves and loads reach it.
     hf_bert.__dict__.update(_fastbert_encoder=ours, _fastbert_tree=_tree(hf_bert), _fastbert_quantized=bool(quantize))

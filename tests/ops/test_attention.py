@@ -393,7 +393,8 @@ def test_cpu_expanded_and_overlapping_rows(dtype, varlen):
         args = [leaf(q.contiguous(), dtype).expand(shape) if q.stride(row) == 0 else leaf(q, dtype),
                 leaf(k, dtype), leaf(torch.randn(shape), dtype), *extra]
         grad = [torch.randn(one_row).to(dtype).expand(shape)]  # stride 0 along the sequence
-        with dispatch.use_backend("cpu", op=spec.op), dispatch.use_variant(spec.op, "fastbert"), dispatch.record() as calls:
+        with dispatch.use_backend("cpu", op=spec.op), dispatch.use_variant(spec.op, "fastbert"), poison_outputs(), \
+                dispatch.record() as calls:
             outs, grads, grad_outs = forward_backward(spec.public, args, {}, grad)
         assert_ran([c for c in calls if c[0] == spec.op], spec.op, "cpu")
         compare_with_reference(spec, dtype, args, {}, outs, grads, grad_outs)
@@ -409,8 +410,10 @@ def test_cpu_nan_in_a_padding_key_is_ignored_and_minus_inf_scores_give_nan(dtype
     k[0, :, 1] = float("nan")
     q[0, 1, 2] = -float("inf")
     k[0, 1, [0, 2, 3, 5]] = k[0, 1, [0, 2, 3, 5]].abs()  # every kept key scores -inf against that query
-    with dispatch.use_backend("cpu", op="attention"), dispatch.use_variant("attention", "fastbert"):
+    with dispatch.use_backend("cpu", op="attention"), dispatch.use_variant("attention", "fastbert"), poison_outputs(), \
+            dispatch.record() as calls:
         out = ops.attention(q, k, v, mask)
+    assert_ran(calls, "attention", "cpu")
     want = reference.attention(*upcast(q, k, v), mask)
     nan = torch.zeros(out.shape, dtype=torch.bool)
     nan[0, 1, 2] = True
