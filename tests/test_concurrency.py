@@ -87,8 +87,7 @@ def test_threads_match_sequential():
 
     with dispatch.record() as calls:
         run_threads(work, THREADS)
-    kernels = {c for c in calls}
-    assert ("attention", "cpu") in kernels or ("varlen_attention", "cpu") in kernels, f"calls: {kernels}"
+    assert calls and all(backend == "cpu" for _, backend in calls), f"not every op ran on a kernel: {set(calls)}"
     for i in range(THREADS):
         for r, (hidden, pooled) in enumerate(results[i]):
             want_hidden, want_pooled = expected[(i + r) % THREADS]

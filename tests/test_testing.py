@@ -35,9 +35,19 @@ def test_much_worse_than_same_dtype_pytorch_fails_even_inside_the_table():
         assert_close(off_by(0.9 * tol), REF, torch.bfloat16, "grad", naive=off_by(0.1 * tol))
 
 
-def test_one_rounding_step_apart_from_pytorch_passes():
-    eps = torch.finfo(torch.bfloat16).eps
-    assert_close(off_by(eps), REF, torch.bfloat16, "grad", naive=REF)
+def test_the_result_rounded_once_passes_beside_an_exact_pytorch():
+    ref = torch.randn(64, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    rounded = ref.to(torch.bfloat16).double()
+    assert_close(rounded, ref, torch.bfloat16, "matmul", naive=ref)
+    with pytest.raises(AssertionError, match="worse than 2 x same-dtype PyTorch"):  # rounded 4x as coarsely
+        assert_close(ref + 4 * (rounded - ref), ref, torch.bfloat16, "matmul", naive=ref)
+
+
+def test_a_bfloat16_forward_4x_worse_than_pytorch_fails_inside_the_table():
+    """The 2x check binds in bfloat16's forward too (its slack was once one rounding step, 78% of the bound)."""
+    tol = tolerance(torch.bfloat16, "matmul")
+    with pytest.raises(AssertionError, match="worse than 2 x same-dtype PyTorch"):
+        assert_close(off_by(0.8 * tol), REF, torch.bfloat16, "matmul", naive=off_by(0.2 * tol))
 
 
 def test_beyond_the_table_only_where_pytorch_is_too_and_within_2x_of_it():
@@ -150,3 +160,21 @@ def test_same_gradients_hold_every_gradient_to_the_table_and_noise_to_the_floor(
     ours["w"][5, 7] += 0.9 * tolerance(torch.float32, "grad") * float(weight.norm())
     with pytest.raises(AssertionError, match="w: elementwise error"):
         assert_same_gradients(ours, theirs)
+
+
+def test_small_rows_beside_large_ones_are_held_to_their_own_norm():
+    """An attention output where one sequence of one token carries most of the norm (98%): rows averaged
+    over 97 keys, each 5x the bound off its own norm, pass the whole-tensor checks and fail the per-row one;
+    rounding-sized errors in every row pass, and so do rows as far off as plain PyTorch's (ill-conditioned)."""
+    g = torch.Generator().manual_seed(2)
+    tol = tolerance(torch.bfloat16, "matmul")
+    ref = torch.randn(98, 32, generator=g, dtype=torch.float64)
+    ref[1:] /= 97 ** 0.5 * 8  # averages over 97 keys
+    noise = torch.randn(98, 32, generator=g, dtype=torch.float64)
+    rounding = noise * (0.5 * tol) * ref.norm(dim=1, keepdim=True) / noise.norm(dim=1, keepdim=True)
+    assert_close(ref + rounding, ref, torch.bfloat16, "matmul")
+    far_off = ref.clone()
+    far_off[1:] += 10 * rounding[1:]
+    with pytest.raises(AssertionError, match="row .* is off by"):
+        assert_close(far_off, ref, torch.bfloat16, "matmul")
+    assert_close(far_off, ref, torch.bfloat16, "matmul", naive=ref + 6 * rounding)

@@ -14,7 +14,8 @@ _lock = threading.Lock()
 
 @contextlib.contextmanager
 def poison_outputs():
-    """Inside the block, kernel outputs start NaN-filled, so an element a kernel forgets fails."""
+    """Inside the block, kernel outputs start NaN-filled (integer ones random), so an element a kernel
+    forgets fails."""
     with _lock:
         _poisoning[0] += 1
     try:
@@ -28,9 +29,18 @@ def empty(*shape, dtype: torch.dtype, device) -> torch.Tensor:
     if len(shape) == 1 and isinstance(shape[0], (tuple, list)) and shape[0]:
         shape = shape[0]  # torch.empty(*sizes) parses ~1 us faster than torch.empty(torch.Size)
     out = torch.empty(*shape, dtype=dtype, device=device)
-    if _poisoning[0] and out.is_floating_point():
-        out.fill_(float("nan"))
+    if _poisoning[0]:
+        _poison(out)
     return out
+
+
+def _poison(out: torch.Tensor) -> None:
+    if out.is_floating_point():
+        out.fill_(float("nan"))
+    elif out.numel():  # an integer has no NaN: random values, which a parity check tells from the right ones
+        info = torch.iinfo(out.dtype)
+        noise = torch.Generator().manual_seed(out.numel())
+        out.copy_(torch.randint(info.min, info.max, out.shape, generator=noise, dtype=out.dtype))
 
 
 def empty_like(t: torch.Tensor) -> torch.Tensor:
