@@ -2,8 +2,8 @@
 forward arguments, output fields and losses, so checkpoints and training code carry over unchanged.
 
 Heads compute logits at every position, as HF does. Where the encoder ran padding-free its pad
-positions hold zeros, so logits at pad positions differ from HF's; every loss that ignores pads
-(labels -100 there) is HF's. Shapes: B batch, S sequence, H hidden, V vocab, L num_labels.
+positions hold zeros, so logits at pad positions differ from HF's; every loss is HF's (a loss that scores
+pad positions, labels other than -100 there, runs the pad tokens through the encoder as HF does). Shapes: B batch, S sequence, H hidden, V vocab, L num_labels.
 """
 from __future__ import annotations
 
@@ -122,6 +122,14 @@ def _finish(out: ModelOutput, return_dict: bool):
     return out if return_dict else out.to_tuple()
 
 
+def scores_pads(labels, attention_mask) -> bool:
+    """Labels scored at pad positions (not -100 there): transformers' loss then reads logits of pad tokens
+    run through the encoder, so they must run through it here too (padding-free, they would hold zeros)."""
+    if labels is None or attention_mask is None or labels.shape != attention_mask.shape:
+        return False
+    return bool(((attention_mask == 0) & (labels != -100)).any())
+
+
 # ---------------------------------------------------------------------------------- models
 
 
@@ -139,7 +147,8 @@ class BertForMaskedLM(BertPreTrainedModel):
                 output_hidden_states: bool = False, output_attentions: bool = False, return_dict: bool = True):
         """labels [B, S]: token ids to predict, -100 where no prediction is scored."""
         out = self.bert(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
-                        output_hidden_states=output_hidden_states, output_attentions=output_attentions)
+                        output_hidden_states=output_hidden_states, output_attentions=output_attentions,
+                        allow_unpadding=not scores_pads(labels, attention_mask))
         logits = self.cls(out.last_hidden_state)  # [B, S, V]
         loss = None
         if labels is not None:
@@ -163,7 +172,8 @@ class BertForPreTraining(BertPreTrainedModel):
         """labels [B, S] as for BertForMaskedLM; next_sentence_label [B]: 0 = B follows A, 1 = random.
         The loss (MLM + NSP) needs both, as in transformers."""
         out = self.bert(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
-                        output_hidden_states=output_hidden_states, output_attentions=output_attentions)
+                        output_hidden_states=output_hidden_states, output_attentions=output_attentions,
+                        allow_unpadding=not scores_pads(labels, attention_mask))
         prediction_logits, seq_logits = self.cls(out.last_hidden_state, out.pooler_output)
         loss = None
         if labels is not None and next_sentence_label is not None:
@@ -227,7 +237,8 @@ class BertForTokenClassification(_Classifier):
                 output_hidden_states: bool = False, output_attentions: bool = False, return_dict: bool = True):
         """labels [B, S]: class ids, -100 where no prediction is scored (pads, word-piece continuations)."""
         out = self.bert(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
-                        output_hidden_states=output_hidden_states, output_attentions=output_attentions)
+                        output_hidden_states=output_hidden_states, output_attentions=output_attentions,
+                        allow_unpadding=not scores_pads(labels, attention_mask))
         logits = linear(self.classifier, self.dropout(out.last_hidden_state))  # [B, S, L]
         loss = None
         if labels is not None:

@@ -48,6 +48,10 @@ CASES = {
     "token_cls": ("BertForTokenClassification", dict(num_labels=5),
                   lambda m: dict(labels=torch.randint(0, 5, m.shape).masked_fill(m == 0, -100)), None),
     "question_answering": ("BertForQuestionAnswering", dict(), span_positions, None),
+    # Labels at pad positions too (not -100): transformers scores the logits of pad tokens run through the encoder.
+    "masked_lm-pads_scored": ("BertForMaskedLM", dict(), lambda m: dict(labels=torch.randint(0, V, m.shape)), None),
+    "token_cls-pads_scored": ("BertForTokenClassification", dict(num_labels=5),
+                              lambda m: dict(labels=torch.randint(0, 5, m.shape)), None),
 }
 
 
