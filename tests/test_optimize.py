@@ -230,6 +230,30 @@ def test_modules_swapped_in_later_are_followed():
     assert adapted.forward == forward
 
 
+def test_layers_added_or_removed_later_are_run_as_transformers_runs_them():
+    """transformers runs the layers its ModuleList holds, whatever config.num_hidden_layers says."""
+    hf = transformers.BertModel(transformers.BertConfig(**SMALL)).eval()
+    plain = copy.deepcopy(hf)
+    fastbert.optimize(hf)
+    ids, mask, _ = padded_batch(120, [9, 4, 1])
+    hf(ids, attention_mask=mask)  # the encoder is built on two layers
+    extra = copy.deepcopy(hf.encoder.layer[0])
+    with torch.no_grad():
+        for p in extra.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    changes = {"a layer appended": lambda m: m.encoder.layer.append(copy.deepcopy(extra)),
+               "a layer inserted first": lambda m: m.encoder.layer.insert(0, copy.deepcopy(extra)),
+               "two layers removed": lambda m: setattr(m.encoder, "layer", m.encoder.layer[2:])}
+    real = mask.bool()
+    for change, apply in changes.items():
+        for model in (hf, plain):
+            apply(model)
+        with fastbert.dispatch.record() as calls:
+            a = hf(ids, attention_mask=mask).last_hidden_state
+        assert ran_fastbert(calls), change
+        assert_matches(a[real], plain(ids, attention_mask=mask).last_hidden_state[real], name=change)
+
+
 def test_gradient_checkpointing_reaches_the_encoder():
     hf = transformers.BertModel(transformers.BertConfig(**SMALL)).train()
     plain = copy.deepcopy(hf)

@@ -10,7 +10,7 @@ import fastbert
 from fastbert import dispatch
 from fastbert.apps.demo import mean_pool, minilm_dir
 from fastbert.quantization import Int8Linear
-from fastbert.testing import INT8, assert_ran, rel_err
+from fastbert.testing import INT8, assert_matches, assert_ran, rel_err
 from grids import skip_unless_runnable
 from pathlib import Path
 
@@ -181,6 +181,32 @@ def test_optimize_sentence_transformer_int8(minilm):
     fastbert.optimize(plain)
     with pytest.raises(ValueError, match="optimized without quantize"):
         fastbert.optimize(plain, quantize="int8")
+
+
+def test_optimize_int8_copies_follow_later_weight_changes():
+    """The int8 copies of an optimize(quantize="int8") model are made again from weights loaded, stepped or
+    (with fastbert.clear_prepared_weights) written through .data after its first call."""
+    skip_unless_runnable("quantized_dense", "cpu", torch.float32)
+    config = transformers.BertConfig(vocab_size=120, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=128)
+    hf = fastbert.optimize(transformers.BertModel(config).eval(), quantize="int8")
+    ids = torch.randint(0, 120, (3, 11))
+    with torch.inference_mode():
+        hf(ids)
+    new = {k: v + 0.05 * torch.randn_like(v) for k, v in hf.state_dict().items()}
+    changes = {"load_state_dict": lambda: hf.load_state_dict(new),
+               "written through .data": lambda: ([p.data.mul_(1.5) for p in hf.parameters()],
+                                                 fastbert.clear_prepared_weights(hf))}
+    for change, apply in changes.items():
+        apply()
+        fresh = transformers.BertModel(config).eval()
+        fresh.load_state_dict(hf.state_dict())
+        fastbert.optimize(fresh, quantize="int8")
+        with torch.inference_mode(), dispatch.record() as calls:
+            ours = hf(ids).last_hidden_state
+            theirs = fresh(ids).last_hidden_state
+        assert_ran(calls, "quantized_dense", "cpu")
+        assert_matches(ours, theirs, name=f"after {change}")
 
 
 def test_minilm_static_int8_is_calibrated_and_close(minilm):

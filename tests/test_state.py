@@ -108,8 +108,26 @@ def pickled(model):
     return torch.load(buffer, weights_only=False)
 
 
+def fused_optimizer_step(model):
+    """One step of torch's fused AdamW (transformers' Trainer default), which moves no version counter."""
+    for p in model.parameters():
+        p.grad = 0.02 * torch.randn_like(p)
+    torch.optim.AdamW(model.parameters(), lr=0.05, fused=True).step()
+    return model
+
+
+def written_through_data(model):
+    """Weights written through `.data` (as transformers' own init code does), then the documented remedy."""
+    for p in model.parameters():
+        p.data.add_(0.02 * torch.randn_like(p))
+    fastbert.clear_prepared_weights(model)
+    return model
+
+
 ACTIONS = {
     "deepcopy": lambda m: perturb_and_return(deepcopy(m)),
+    "fused-optimizer-step": fused_optimizer_step,
+    "written-through-data": written_through_data,
     "pickle": lambda m: perturb_and_return(pickled(m)),
     "to-bfloat16": lambda m: m.to(torch.bfloat16),
     "deepcopy-to-bfloat16": lambda m: deepcopy(m).to(torch.bfloat16),

@@ -48,7 +48,8 @@ def _plain(module) -> bool:
 
 def _encoder_sharing(hf_bert):
     """A fastbert BertModel whose leaf modules are `hf_bert`'s own: the same parameters, not copies."""
-    config = BertConfig.from_dict(hf_bert.config.to_dict())  # raises on what fastbert cannot run
+    # As many layers as transformers' forward runs: the modules there, whatever the config says.
+    config = BertConfig.from_dict({**hf_bert.config.to_dict(), "num_hidden_layers": len(hf_bert.encoder.layer)})
     with torch.device("meta"):  # built without allocating: every leaf is replaced below
         ours = BertModel(config, add_pooling_layer=hf_bert.pooler is not None)
     for name, module in list(ours.named_modules()):
@@ -78,31 +79,65 @@ def _encoder_for(hf_bert, quantized: bool):
     return ours
 
 
-def _tree(hf_bert) -> list:
-    """What the encoder was built on: (parent, name, child) for every submodule, and the table sizes
-    (resize_token_embeddings changes a table in place, and the config)."""
+def _tree(hf_bert, quantized: bool) -> tuple:
+    """What the encoder was built on: each submodule's children (parent, its (name, child) pairs) and the
+    table sizes (resize_token_embeddings changes a table in place, and the config); with int8 copies, also
+    the linears' parameters with their storage and version (the copies are made from their values)."""
     config = hf_bert.config
-    return [(parent, name, child) for parent in hf_bert.modules() for name, child in parent._modules.items()] + [
-        (config.vocab_size, config.type_vocab_size, config.max_position_embeddings)]
+    parents = tuple((parent, tuple(parent._modules.items())) for parent in hf_bert.modules())
+    linears = (m for m in hf_bert.encoder.modules() if isinstance(m, torch.nn.Linear)) if quantized else ()
+    weights = tuple((p, p.data_ptr(), p._version) for m in linears for p in m.parameters(recurse=False))
+    return parents, (config.vocab_size, config.type_vocab_size, config.max_position_embeddings), weights
+
+
+def _unchanged(hf_bert, tree: tuple) -> bool:
+    """`hf_bert` is still what `tree` recorded. A module added anywhere is a child more of a recorded
+    parent, so comparing the recorded parents' children finds it."""
+    parents, sizes, weights = tree
+    config = hf_bert.config
+    return (sizes == (config.vocab_size, config.type_vocab_size, config.max_position_embeddings)
+            and all(len(parent._modules) == len(children) and all(parent._modules.get(name) is child
+                                                                  for name, child in children)
+                    for parent, children in parents)
+            and all(p.data_ptr() == ptr and p._version == version for p, ptr, version in weights))
 
 
 def _encoder_for_now(hf_bert):
     """fastbert's encoder on `hf_bert`'s modules as they are now, or None where fastbert cannot serve them
-    (transformers' forward runs then). A module swapped in since (set_input_embeddings,
-    resize_token_embeddings, an adapter) rebuilds the encoder on the new ones."""
+    (transformers' forward runs then). A module swapped in, added or removed since (set_input_embeddings,
+    resize_token_embeddings, an adapter, a layer), and for int8 copies a weight changed since, rebuilds the
+    encoder on what is there now."""
     state = hf_bert.__dict__
-    *modules, sizes = state["_fastbert_tree"]
-    config = hf_bert.config
-    if sizes == (config.vocab_size, config.type_vocab_size, config.max_position_embeddings) and all(
-            parent._modules.get(name) is child for parent, name, child in modules):
+    quantized = state["_fastbert_quantized"]
+    if _unchanged(hf_bert, state["_fastbert_tree"]):
         return state["_fastbert_encoder"]
     try:
-        ours = _encoder_for(hf_bert, state["_fastbert_quantized"])
-    except (TypeError, ValueError) as e:
+        ours = _encoder_for(hf_bert, quantized)
+    except (TypeError, ValueError, AttributeError) as e:
         warnings.warn(f"{e}; transformers' own forward runs this model from now on", stacklevel=3)
         ours = None
-    state["_fastbert_encoder"], state["_fastbert_tree"] = ours, _tree(hf_bert)
+    state["_fastbert_encoder"], state["_fastbert_tree"] = ours, _tree(hf_bert, quantized)
     return ours
+
+
+def clear_prepared_weights(model) -> None:
+    """Forget what fastbert made from `model`'s weights (prepared forms, plans, int8 copies): after writing
+    parameters through `.data`, which no version counter sees. `model`: a fastbert model, or a transformers /
+    sentence-transformers model after optimize() (its encoder is rebuilt on the next call)."""
+    if callable(getattr(model, "clear_prepared_weights", None)):
+        return model.clear_prepared_weights()
+    state = _hf_bert_of(model).__dict__
+    if "_fastbert_tree" in state:
+        state["_fastbert_tree"] = ((), None, ())  # no model's sizes are None: the next call rebuilds
+
+
+def checkpointing(hf_bert) -> bool:
+    """transformers' gradient_checkpointing_enable() is on (its flag's name since 5.x first: reading the
+    old one warns on every call)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(hf_bert), name):
+            return bool(getattr(hf_bert, name))
+    return False
 
 
 class OptimizedForward:
@@ -133,7 +168,7 @@ class OptimizedForward:
         ours.train(hf_bert.training)
         # gradient_checkpointing_enable() marks transformers' layers (every one, or every n-th): fastbert's
         # encoder then recomputes every layer in backward, the same numbers.
-        ours.encoder.gradient_checkpointing = bool(getattr(hf_bert, "is_gradient_checkpointing", False))
+        ours.encoder.gradient_checkpointing = checkpointing(hf_bert)
         out = ours(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
                    output_hidden_states=setting("output_hidden_states", False),
                    output_attentions=setting("output_attentions", False))
@@ -152,7 +187,8 @@ def optimize(model, quantize: str | None = None):
 
     quantize="int8": the encoder's linears run as int8 copies (fastbert.quantize, dynamic per-token
     activations), for inference only; transformers' own float weights stay in place (its forward still
-    serves what fastbert's does not), and are not updated into the int8 copies if they change later."""
+    serves what fastbert's does not), and the copies are made again when they change (after a write through
+    `.data`, which no version counter sees: call fastbert.clear_prepared_weights(model))."""
     if quantize not in (None, "int8"):
         raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
     hf_bert = _hf_bert_of(model)
@@ -163,7 +199,8 @@ def optimize(model, quantize: str | None = None):
     ours = _encoder_for(hf_bert, bool(quantize))
     # Plain attributes, outside the module tree: state_dict, parameters() and .to() stay HF's, and the
     # encoder's leaf modules are HF's own, so dtype / device moves and loads reach it.
-    hf_bert.__dict__.update(_fastbert_encoder=ours, _fastbert_tree=_tree(hf_bert), _fastbert_quantized=bool(quantize))
+    hf_bert.__dict__.update(_fastbert_encoder=ours, _fastbert_tree=_tree(hf_bert, bool(quantize)),
+                            _fastbert_quantized=bool(quantize))
     hf_bert.forward = OptimizedForward(hf_bert)
     return model
 

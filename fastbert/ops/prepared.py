@@ -3,8 +3,8 @@ weight, oneDNN's blocked layout), owned by the module whose parameters they come
 
 Nothing here is keyed by `id()` or an address: an entry keeps an alias of each tensor it was made
 from, so that storage stays alive and no other tensor can take its place at the same address, and is
-served only while every source still has that storage, strides and version (an optimizer step,
-`load_state_dict` and in-place writes bump the version; `.to()`, `.data =` and `assign=True` replace
+served only while every source still has that storage, strides and version (an optimizer step, fused
+ones too (a hook below), `load_state_dict` and in-place writes bump the version; `.to()`, `.data =` and `assign=True` replace
 the storage). Writes through `.data` (`p.data.copy_(...)`) bypass the version counter: whoever writes
 so calls `clear()` (fastbert models: `model.clear_prepared_weights()`). A deepcopy or a pickle of the
 owner starts empty, and `state_dict` never sees it. Under torch.compile and torch.func transforms nothing
@@ -15,8 +15,20 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _step_moves_versions(optimizer, args, kwargs) -> None:
+    """After every optimizer step, each parameter's version moves. torch's fused optimizers (fused=True,
+    transformers' Trainer default) write parameters without moving it: forms made from the old values would
+    be served on. Moving it twice (the other optimizers move it themselves) changes nothing else."""
+    for group in optimizer.param_groups:
+        torch.autograd.graph.increment_version(group["params"])
+
+
+register_optimizer_step_post_hook(_step_moves_versions)
 
 
 class PreparedWeights:
