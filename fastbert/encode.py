@@ -182,9 +182,13 @@ def encode_windows(model, texts: Iterable[str], tokenizer, pooling: str = "mean"
             for row, i in enumerate(batch):
                 x[row, : len(ids[i])] = torch.tensor(ids[i])
                 mask[row, : len(ids[i])] = 1
-            with torch.inference_mode():
-                hidden = model(x.to(device), attention_mask=mask.to(device)).last_hidden_state
-                pooled = _pool(hidden, mask.to(device), pooling, normalize)
+            training = model.training  # embeddings are an inference: no dropout, whatever mode the model is in
+            try:
+                with torch.inference_mode():
+                    hidden = model.eval()(x.to(device), attention_mask=mask.to(device)).last_hidden_state
+                    pooled = _pool(hidden, mask.to(device), pooling, normalize)
+            finally:
+                model.train(training)
             for row, i in enumerate(batch):
                 results[i] = pooled[row].cpu()
             if on_batch is not None:

@@ -50,6 +50,17 @@ def test_streaming_windows_and_budgets_give_the_same_embeddings(minilm):
     assert fastbert.encode(model, [], tokenizer).shape == (0, 384)
 
 
+def test_a_model_in_training_mode_is_encoded_without_dropout_and_left_in_it(minilm):
+    model, tokenizer = minilm
+    expected = fastbert.encode(model.eval(), TEXTS[:8], tokenizer)
+    model.train()  # a fresh BertModel(config), or one just fine-tuned: dropout on
+    try:
+        assert_matches(fastbert.encode(model, TEXTS[:8], tokenizer), expected, name="embeddings")
+        assert model.training
+    finally:
+        model.eval()
+
+
 def test_token_budget_batches_cover_every_text_once_within_budget():
     lengths = [int(n) for n in torch.randint(1, 300, (500,))] + [900]
     batches = token_budget_batches(lengths, 1024)
