@@ -294,6 +294,61 @@ def test_ddp_matches_one_process(tmp_path, corpus, start):
     assert_same_parameters(weights(tmp_path / "single"), weights(tmp_path / "ddp"))
 
 
+def test_runs_from_python_keep_the_callers_process_group(tmp_path, corpus):
+    """Under torchrun, a script that joined the process group itself runs pretrain twice: both runs use the
+    group, and it is still there for the script afterwards (the runs once destroyed it)."""
+    path, tok = corpus
+    script = tmp_path / "two_runs.py"
+    script.write_text(f"""
+import torch, torch.distributed as dist
+from fastbert.apps.train import TrainArgs, pretrain
+dist.init_process_group("gloo")
+for run in ("a", "b"):
+    pretrain({str(path)!r}, TrainArgs(out={str(tmp_path)!r} + "/" + run, steps=2, batch_size=8, max_length=32,
+             progress=False), tokenizer={str(tok)!r})
+    assert dist.is_initialized(), "a run left the caller's process group"
+total = torch.ones(1)
+dist.all_reduce(total)
+print("summed", int(total))
+""")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    done = subprocess.run(command, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("summed 2") == 2
+
+
+def test_ddp_static_graph_reduces_the_first_steps_gradients(tmp_path):
+    """DistributedDataParallel(static_graph=True) finds the tensors in fastbert's outputs (pytree nodes, as
+    transformers' are): each rank's first gradient equals one process's on the whole batch (an opaque output
+    left them unreduced, and the ranks trained apart)."""
+    script = tmp_path / "static_graph.py"
+    script.write_text("""
+import copy, torch, torch.distributed as dist, fastbert
+from fastbert.testing import assert_same_gradients
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+config = fastbert.BertConfig.tiny(vocab_size=100, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+model = fastbert.BertForSequenceClassification(config).train()
+single = copy.deepcopy(model)
+ids, labels = torch.randint(5, 100, (8, 12)), torch.randint(0, 3, (8,))
+ddp = torch.nn.parallel.DistributedDataParallel(model, static_graph=True)
+half = slice(4 * rank, 4 * rank + 4)
+torch.nn.functional.cross_entropy(ddp(ids[half]).logits, labels[half]).backward()
+torch.nn.functional.cross_entropy(single(ids).logits, labels).backward()
+assert_same_gradients(model, single)
+print("reduced", rank)
+""")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    done = subprocess.run(command, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("reduced") == 2
+
+
 def test_pretrain_learns(tmp_path, corpus):
     out = tmp_path / "run"
     run(*pretrain_args(corpus, out, "--steps", 40, "--lr", 2e-3, "--warmup-steps", 4))

@@ -15,6 +15,7 @@ same loss as one process on the whole batch: runs differ only in rounding.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import csv
 import json
@@ -183,7 +184,15 @@ def distributed() -> tuple[int, int]:
         return 0, 1
     if not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        # Left at exit, not after each run: a caller's later runs (pretrain, then finetune) reuse it (joining
+        # gloo again could hang), and a group the caller made is the caller's.
+        atexit.register(_leave_distributed)
     return dist.get_rank(), world
+
+
+def _leave_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def pick_device(args: TrainArgs) -> torch.device:
@@ -343,7 +352,6 @@ def train(model, tokenizer, stream: BatchStream, loss_fn, args: TrainArgs) -> li
 def _finish_distributed() -> None:
     if dist.is_initialized():
         dist.barrier()  # nobody leaves while the first process still saves
-        dist.destroy_process_group()
 
 
 # ------------------------------------------------------------------------------ tokenizers and configs
