@@ -162,39 +162,40 @@ def encode_windows(model, texts: Iterable[str], tokenizer, pooling: str = "mean"
     if max_length is None:
         max_length = default_max_length(model, tokenizer)
     device = next(model.parameters()).device
-    # The budget bounds memory; on a CPU the model runs it in batches of the width measured fastest there.
-    budget = forward_tokens(model, device, batch_tokens)
-    pad = tokenizer.pad_token_id or 0
-    start, it = 0, iter(texts)
-    while True:
-        chunk = list(itertools.islice(it, window))
-        if not chunk:
-            return
-        for k, t in enumerate(chunk):
-            if not isinstance(t, str):
-                raise TypeError(f"text {start + k} is a {type(t).__name__}, not a str")
-        ids = tokenize(tokenizer, chunk, max_length, truncate, start)
-        results: list = [None] * len(chunk)
-        for batch in token_budget_batches([len(r) for r in ids], budget):
-            longest = len(ids[batch[0]])
-            x = torch.full((len(batch), longest), pad, dtype=torch.long)
-            mask = torch.zeros((len(batch), longest), dtype=torch.long)
-            for row, i in enumerate(batch):
-                x[row, : len(ids[i])] = torch.tensor(ids[i])
-                mask[row, : len(ids[i])] = 1
-            training = model.training  # embeddings are an inference: no dropout, whatever mode the model is in
-            try:
+    training = model.training
+    model.eval()  # embeddings are an inference: no dropout, whatever mode the model came in (restored after)
+    try:
+        # The budget bounds memory; on a CPU the model runs it in batches of the width measured fastest there.
+        budget = forward_tokens(model, device, batch_tokens)
+        pad = tokenizer.pad_token_id or 0
+        start, it = 0, iter(texts)
+        while True:
+            chunk = list(itertools.islice(it, window))
+            if not chunk:
+                return
+            for k, t in enumerate(chunk):
+                if not isinstance(t, str):
+                    raise TypeError(f"text {start + k} is a {type(t).__name__}, not a str")
+            ids = tokenize(tokenizer, chunk, max_length, truncate, start)
+            results: list = [None] * len(chunk)
+            for batch in token_budget_batches([len(r) for r in ids], budget):
+                longest = len(ids[batch[0]])
+                x = torch.full((len(batch), longest), pad, dtype=torch.long)
+                mask = torch.zeros((len(batch), longest), dtype=torch.long)
+                for row, i in enumerate(batch):
+                    x[row, : len(ids[i])] = torch.tensor(ids[i])
+                    mask[row, : len(ids[i])] = 1
                 with torch.inference_mode():
-                    hidden = model.eval()(x.to(device), attention_mask=mask.to(device)).last_hidden_state
+                    hidden = model(x.to(device), attention_mask=mask.to(device)).last_hidden_state
                     pooled = _pool(hidden, mask.to(device), pooling, normalize)
-            finally:
-                model.train(training)
-            for row, i in enumerate(batch):
-                results[i] = pooled[row].cpu()
-            if on_batch is not None:
-                on_batch(len(batch), int(mask.sum()))
-        yield start, (results if pooling == "none" else torch.stack(results))
-        start += len(chunk)
+                for row, i in enumerate(batch):
+                    results[i] = pooled[row].cpu()
+                if on_batch is not None:
+                    on_batch(len(batch), int(mask.sum()))
+            yield start, (results if pooling == "none" else torch.stack(results))
+            start += len(chunk)
+    finally:
+        model.train(training)
 
 
 def encode(model, texts: Iterable[str], tokenizer=None, pooling: str = "mean", normalize: bool = True,

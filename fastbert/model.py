@@ -5,9 +5,11 @@ H hidden, heads x d = H, I intermediate.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils.checkpoint import checkpoint as recompute_in_backward
 
@@ -50,6 +52,23 @@ class ModelOutput:
 
     def __len__(self):
         return len(self.keys())
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # A pytree node, as transformers' outputs are: DistributedDataParallel (its static_graph's first
+        # all-reduce hangs on a hook it attaches to the tensors it finds), FSDP and torch.compile look
+        # into outputs through pytree; as one opaque leaf, ranks silently trained apart.
+        pytree.register_pytree_node(cls, _output_fields, functools.partial(_output_of_fields, cls),
+                                    serialized_type_name=f"{cls.__module__}.{cls.__qualname__}")
+
+
+def _output_fields(out: ModelOutput) -> tuple[list, list[str]]:
+    names = [f.name for f in fields(out)]
+    return [getattr(out, name) for name in names], names
+
+
+def _output_of_fields(cls, values, names) -> ModelOutput:
+    return cls(**dict(zip(names, values)))
 
 
 @dataclass
@@ -313,6 +332,14 @@ class BertPreTrainedModel(nn.Module):
     def _apply(self, fn, *args, **kwargs):
         self.clear_prepared_weights()  # a stale entry would keep the old storage alive until its next call
         return super()._apply(fn, *args, **kwargs)
+
+    def train(self, mode: bool = True):
+        # Where a training loop's evaluation starts, forget what was prepared: weights written in between
+        # by what moves no version counter (dist.broadcast / all_reduce of parameters, model averaging)
+        # would otherwise be served from before.
+        if mode != self.training:
+            self.clear_prepared_weights()
+        return super().train(mode)
 
     def gradient_checkpointing_enable(self) -> None:
         """Trade compute for memory in training: encoder layers keep only their inputs for backward and

@@ -108,3 +108,23 @@ def test_moves_drop_prepared_weights_and_data_writes_have_a_way_to():
         fresh.load_state_dict(model.state_dict())
         assert not torch.equal(before, after)
         assert_close(after, fresh(ids).last_hidden_state, torch.float32, "elementwise", name="after clear")
+
+
+def test_a_switch_to_eval_forgets_weights_written_unseen_in_training():
+    """What a training loop's evaluation meets: weights written in training by what moves no version
+    counter (dist.broadcast / all_reduce of parameters, model averaging; `.data` here) are read afresh
+    after model.eval(), with no call to clear_prepared_weights()."""
+    import fastbert
+
+    model = fastbert.BertModel(fastbert.BertConfig.tiny(vocab_size=50)).eval()
+    ids = torch.randint(0, 50, (2, 5))
+    with torch.no_grad():
+        model(ids)  # prepares
+        model.train()
+        for p in model.parameters():
+            p.data.add_(0.05 * torch.randn_like(p))
+        after = model.eval()(ids).last_hidden_state
+    fresh = fastbert.BertModel(model.config).eval()
+    fresh.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert_close(after, fresh(ids).last_hidden_state, torch.float32, "elementwise", name="after eval()")
