@@ -276,17 +276,21 @@ def test_gradient_accumulation_matches_the_whole_batch(tmp_path, corpus, start):
         assert_matches(torch.tensor(four[key]), torch.tensor(one[key]), name=key)
 
 
+def torchrun(*program) -> str:
+    """stdout of `program` (a script, or -m module and its arguments) run by torchrun in 2 processes (gloo, CPU)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *program]
+    done = subprocess.run(command, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
 def test_ddp_matches_one_process(tmp_path, corpus, start):
     """torchrun with 2 processes (gloo, CPU), each on half of every batch, ends where one process on the
     whole batches ends."""
     run(*pretrain_args(corpus, tmp_path / "single", "--model", start, "--steps", 4))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "-m", "fastbert", *map(str, pretrain_args(corpus, tmp_path / "ddp", "--model", start, "--steps", 4))]
-    done = subprocess.run(command, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("pretrained 4 steps") == 1  # one process reports
+    stdout = torchrun("-m", "fastbert", *map(str, pretrain_args(corpus, tmp_path / "ddp", "--model", start, "--steps", 4)))
+    assert stdout.count("pretrained 4 steps") == 1  # one process reports
     single, ddp = (torch.load(tmp_path / d / "training_state.pt", weights_only=True) for d in ("single", "ddp"))
     # AdamW hardly sees a gradient's scale: the gradient norms show it is right.
     for key in ("loss", "grad_norm"):
@@ -311,12 +315,7 @@ total = torch.ones(1)
 dist.all_reduce(total)
 print("summed", int(total))
 """)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
-    done = subprocess.run(command, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("summed 2") == 2
+    assert torchrun(str(script)).count("summed 2") == 2
 
 
 def test_ddp_static_graph_reduces_the_first_steps_gradients(tmp_path):
@@ -341,12 +340,7 @@ torch.nn.functional.cross_entropy(single(ids).logits, labels).backward()
 assert_same_gradients(model, single)
 print("reduced", rank)
 """)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
-    done = subprocess.run(command, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("reduced") == 2
+    assert torchrun(str(script)).count("reduced") == 2
 
 
 def test_pretrain_learns(tmp_path, corpus):
