@@ -447,6 +447,10 @@ def test_finetune_resume_matches_an_uninterrupted_run(tmp_path, base_model):
         assert torch.equal(a[name], b[name]), name
     config = json.loads((straight / "config.json").read_text())
     assert config["num_labels"] == 4 and config["id2label"] == {"0": "0", "1": "1", "2": "2", "3": "3"}
+    # Data with other classes needs another head, which the checkpoint's optimizer state does not fit.
+    other = write_jsonl(tmp_path / "other.jsonl", sentiment_rows(48), ["neg", "pos"])
+    with pytest.raises(ValueError, match=r"cannot resume from .*checkpoint-3: it was trained on the classes"):
+        run(*finetune_args(other, base_model, tmp_path / "other", "--steps", 6, "--resume", straight / "checkpoint-3"))
 
 
 def test_finetune_rejects_unknown_eval_labels(tmp_path, base_model):

@@ -500,8 +500,9 @@ def label_names(labels: list[str], config: BertConfig) -> list[str]:
     return sorted(set(labels))
 
 
-def classifier_for(model_dir: str, labels: list[str]):
-    """BertForSequenceClassification from a checkpoint, its head sized and named for `labels`."""
+def classifier_for(model_dir: str, labels: list[str], resuming: bool = False):
+    """BertForSequenceClassification from a checkpoint, its head sized and named for `labels` (`resuming`:
+    the checkpoint's own head, or an error: its optimizer state is the trained head's)."""
     from torch import nn
 
     from fastbert.heads import BertForSequenceClassification
@@ -515,6 +516,9 @@ def classifier_for(model_dir: str, labels: list[str]):
     generic = known == [f"LABEL_{i}" for i in range(len(known))]  # transformers' default names: none given
     # Another number of classes, or other classes (a trained row must not serve another name): a new head.
     if cfg.num_labels != len(names) or (known and not generic and known != names):
+        if resuming:
+            raise ValueError(f"cannot resume from {model_dir}: it was trained on the classes {known}, the data "
+                             f"has {names} (resume with the same labelled data, or start a new run from it)")
         model.classifier = nn.Linear(cfg.hidden_size, len(names))
         model.init_weights(model.classifier)
         model.num_labels = cfg.num_labels = len(names)
@@ -560,7 +564,7 @@ def finetune(train_file: str, model_dir: str, args: TrainArgs, eval_file: str | 
         state_path(args.resume)  # fail before any loading
     tok = load_tokenizer(tokenizer_source(args.resume, tokenizer, model_dir))
     torch.manual_seed(args.seed)  # a fresh head's initial weights
-    model = classifier_for(args.resume or model_dir, [label for _, label in rows])
+    model = classifier_for(args.resume or model_dir, [label for _, label in rows], resuming=bool(args.resume))
     check_vocab(model, tok)
     set_dropout(model, dropout)
     label2id = model.config.extra["label2id"]
