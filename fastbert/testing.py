@@ -71,7 +71,8 @@ ELEMENT_FACTOR = 6.0  # max|out - ref| <= this x the bound x max|ref|. An error 
 # largest element is about sqrt(2 ln N) x its RMS, and sqrt(2 ln N) <= 6 up to N = 6.5e7 (BERT-base's
 # word-embedding gradient has 2.3e7 elements). So noise-like errors pass even on a flat reference at the
 # norm bound; one element far off inside an acceptable norm does not.
-ROW_FACTOR = 4.0  # each row (the last dimension: a token's features, a head's output) within this x the bound of
+ROW_FACTOR = 4.0  # each row (the last dimension: a token's features, a head's output) and each column (one feature
+# over all rows: a wrong bias element or tail tile) within this x the bound of
 ROW_FLOOR = 0.1  # its own norm, or of this fraction of the typical (RMS) row norm where its own is smaller. The
 # norm and elementwise checks scale with the whole tensor: rows of a small norm beside a few large ones (an
 # attention output over 97 keys beside a one-token sequence's, which carries ~80% of the norm) could be 5x
@@ -197,27 +198,31 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, kind:
 
 def _assert_rows_close(o: torch.Tensor, r: torch.Tensor, naive: torch.Tensor | None, bound: float, name: str,
                        where) -> None:
-    """Every row (last dimension) of `o` within ROW_FACTOR x `bound` of its own norm in `r`, or of ROW_FLOOR
-    x the typical row norm where its own is smaller. A row where same-dtype PyTorch misses that too (an
-    ill-conditioned row: a bfloat16 weight gradient's terms that cancel) may be NAIVE_FACTOR x PyTorch's
-    error off, up to ILL_CONDITIONED_MAX x the row bound."""
+    """Every row (the last dimension: a token's features) of `o` within ROW_FACTOR x `bound` of its own norm
+    in `r`, or of ROW_FLOOR x the typical row norm where its own is smaller; every column (one feature over
+    all rows) within ROW_FACTOR x `bound` of the typical column norm, or of its own where larger (a column's
+    elements carry their rows' rounding: beside one dominant row, a column near zero there has no smaller
+    error). One where same-dtype PyTorch misses that too (ill-conditioned: a bfloat16 weight gradient's
+    terms that cancel) may be NAIVE_FACTOR x PyTorch's error off, up to ILL_CONDITIONED_MAX x that bound."""
     if o.dim() < 2 or o.shape[-1] < 2 or o.numel() < 2 * o.shape[-1]:
         return  # one row, or rows of one number: the norm and elementwise checks say it all
-    rows = lambda t: t.detach().double().reshape(-1, t.shape[-1])  # noqa: E731
-    o, r = rows(o), rows(r)
-    row_norm = r.norm(dim=1)
-    held_to = row_norm.clamp_min(ROW_FLOOR * float(row_norm.pow(2).mean().sqrt())).clamp_min(1e-300)
-    relative = lambda t: torch.where((t - r).norm(dim=1) > 0, (t - r).norm(dim=1) / held_to, 0.0)  # noqa: E731
-    ratio, allowed = relative(o), torch.full_like(held_to, ROW_FACTOR * bound)
-    if naive is not None:
-        allowed = allowed.maximum((NAIVE_FACTOR * relative(rows(naive))).clamp_max(ILL_CONDITIONED_MAX * allowed))
-    off = ratio > allowed
-    if bool(off.any()):
-        worst = int((ratio / allowed).argmax())
-        raise AssertionError(
-            f"{name}: row {worst} (of {o.shape[0]} rows of {o.shape[1]}) is off by {float(ratio[worst]):.3g} of "
-            f"its norm {float(row_norm[worst]):.3g}, more than {float(allowed[worst]):.3g} ({int(off.sum())} rows "
-            f"are; the whole tensor is within the bound: small rows beside large ones are off); " + where())
+    as_rows = [t if t is None else t.detach().double().reshape(-1, t.shape[-1]) for t in (o, r, naive)]
+    as_columns = [t if t is None else t.T for t in as_rows]
+    for what, floor, (o2, r2, n2) in (("row", ROW_FLOOR, as_rows), ("column", 1.0, as_columns)):
+        norm = r2.norm(dim=1)
+        held_to = norm.clamp_min(floor * float(norm.pow(2).mean().sqrt())).clamp_min(1e-300)
+        relative = lambda t: torch.where((t - r2).norm(dim=1) > 0, (t - r2).norm(dim=1) / held_to, 0.0)  # noqa: E731
+        ratio, allowed = relative(o2), torch.full_like(held_to, ROW_FACTOR * bound)
+        if n2 is not None:
+            allowed = allowed.maximum((NAIVE_FACTOR * relative(n2)).clamp_max(ILL_CONDITIONED_MAX * allowed))
+        off = ratio > allowed
+        if bool(off.any()):
+            worst = int((ratio / allowed).argmax())
+            raise AssertionError(
+                f"{name}: {what} {worst} (of {o2.shape[0]} {what}s of {o2.shape[1]}) is off by "
+                f"{float(ratio[worst]):.3g} of its norm {float(norm[worst]):.3g}, more than "
+                f"{float(allowed[worst]):.3g} ({int(off.sum())} {what}s are; small {what}s beside large ones can "
+                f"be off inside the whole tensor's bound); " + where())
 
 
 def assert_matches(out: torch.Tensor, other: torch.Tensor, dtype: torch.dtype = torch.float32,

@@ -178,3 +178,14 @@ def test_small_rows_beside_large_ones_are_held_to_their_own_norm():
     with pytest.raises(AssertionError, match="row .* is off by"):
         assert_close(far_off, ref, torch.bfloat16, "matmul")
     assert_close(far_off, ref, torch.bfloat16, "matmul", naive=ref + 6 * rounding)
+
+
+def test_one_feature_off_for_every_row_fails():
+    """One output column (a wrong bias element, a bad tail tile) 0.06 of its spread off in every row: inside
+    the whole tensor's bound and every row's, and caught column by column."""
+    g = torch.Generator().manual_seed(4)
+    ref = torch.randn(256, 64, generator=g, dtype=torch.float64)
+    out = ref.clone()
+    out[:, 17] += 0.06 * ref[:, 17].std()
+    with pytest.raises(AssertionError, match="column 17 .* is off by"):
+        assert_close(out, ref, torch.bfloat16, "matmul")
