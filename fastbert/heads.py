@@ -127,6 +127,8 @@ def scores_pads(labels, attention_mask) -> bool:
     run through the encoder, so they must run through it here too (padding-free, they would hold zeros)."""
     if labels is None or attention_mask is None or labels.shape != attention_mask.shape:
         return False
+    if torch.compiler.is_compiling():
+        return False  # compiled, the encoder runs padded anyway (and a data-dependent branch cannot be traced)
     return bool(((attention_mask == 0) & (labels != -100)).any())
 
 

@@ -128,3 +128,28 @@ def test_a_switch_to_eval_forgets_weights_written_unseen_in_training():
     fresh.load_state_dict(model.state_dict())
     with torch.no_grad():
         assert_close(after, fresh(ids).last_hidden_state, torch.float32, "elementwise", name="after eval()")
+
+
+def test_an_optimizer_step_leaves_parameters_without_a_gradient_alone():
+    """The step hook moves the versions of the parameters a step wrote, not of frozen ones (a frozen weight
+    saved for a backward still to come stays usable, and keeps what was prepared from it)."""
+    frozen, trained = torch.nn.Linear(4, 4).requires_grad_(False), torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW([*frozen.parameters(), *trained.parameters()], fused=True)
+    pending = trained(frozen(torch.randn(2, 4))).sum()  # frozen's weight is saved for this backward
+    trained(torch.randn(2, 4)).sum().backward()
+    versions = [p._version for p in trained.parameters()]
+    optimizer.step()
+    assert [p._version for p in trained.parameters()] > versions
+    pending.backward()
+
+
+def test_clearing_reaches_fastbert_models_inside_any_module():
+    import fastbert
+
+    model = fastbert.BertModel(fastbert.BertConfig.tiny(vocab_size=50)).eval()
+    with torch.no_grad():
+        model(torch.randint(0, 50, (2, 5)))
+    prepared = model.encoder.layer[0].attention.self.prepared
+    assert len(prepared) > 0
+    fastbert.clear_prepared_weights(torch.nn.ModuleList([model]))  # as DistributedDataParallel holds it
+    assert len(prepared) == 0

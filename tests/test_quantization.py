@@ -195,6 +195,8 @@ def test_optimize_int8_copies_follow_later_weight_changes():
         hf(ids)
     new = {k: v + 0.05 * torch.randn_like(v) for k, v in hf.state_dict().items()}
     changes = {"load_state_dict": lambda: hf.load_state_dict(new),
+               "load_state_dict(assign=True)": lambda: hf.load_state_dict({k: 1.1 * v for k, v in new.items()},
+                                                                          assign=True),
                "written through .data": lambda: ([p.data.mul_(1.5) for p in hf.parameters()],
                                                  fastbert.clear_prepared_weights(hf))}
     for change, apply in changes.items():

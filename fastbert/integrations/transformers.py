@@ -9,7 +9,7 @@ import warnings
 import torch
 
 from fastbert.config import BertConfig
-from fastbert.model import BertModel
+from fastbert.model import BertModel, BertPreTrainedModel
 from fastbert.quantization import quantize as fastbert_quantize
 
 # HF BertModel.forward arguments fastbert's encoder serves; anything else (inputs_embeds, cross
@@ -86,7 +86,8 @@ def _tree(hf_bert, quantized: bool) -> tuple:
     config = hf_bert.config
     parents = tuple((parent, tuple(parent._modules.items())) for parent in hf_bert.modules())
     linears = (m for m in hf_bert.encoder.modules() if isinstance(m, torch.nn.Linear)) if quantized else ()
-    weights = tuple((p, p.data_ptr(), p._version) for m in linears for p in m.parameters(recurse=False))
+    weights = tuple((m, name, p, p.data_ptr(), p._version) for m in linears for name, p in m._parameters.items()
+                    if p is not None)
     return parents, (config.vocab_size, config.type_vocab_size, config.max_position_embeddings), weights
 
 
@@ -99,7 +100,8 @@ def _unchanged(hf_bert, tree: tuple) -> bool:
             and all(len(parent._modules) == len(children) and all(parent._modules.get(name) is child
                                                                   for name, child in children)
                     for parent, children in parents)
-            and all(p.data_ptr() == ptr and p._version == version for p, ptr, version in weights))
+            and all(m._parameters.get(name) is p and p.data_ptr() == ptr and p._version == version
+                    for m, name, p, ptr, version in weights))
 
 
 def _encoder_for_now(hf_bert):
@@ -120,15 +122,16 @@ def _encoder_for_now(hf_bert):
     return ours
 
 
-def clear_prepared_weights(model) -> None:
-    """Forget what fastbert made from `model`'s weights (prepared forms, plans, int8 copies): after writing
-    parameters through `.data`, which no version counter sees. `model`: a fastbert model, or a transformers /
-    sentence-transformers model after optimize() (its encoder is rebuilt on the next call)."""
-    if callable(getattr(model, "clear_prepared_weights", None)):
-        return model.clear_prepared_weights()
-    state = _hf_bert_of(model).__dict__
-    if "_fastbert_tree" in state:
-        state["_fastbert_tree"] = ((), None, ())  # no model's sizes are None: the next call rebuilds
+def clear_prepared_weights(model: torch.nn.Module) -> None:
+    """Forget what fastbert made from the weights of every fastbert model inside `model` (prepared forms,
+    plans, int8 copies): after writing parameters through `.data` or by collectives, which no version counter
+    sees. `model`: any module (DistributedDataParallel, a wrapper) holding fastbert models, or transformers /
+    sentence-transformers models after optimize() (their encoders are rebuilt on the next call)."""
+    for module in model.modules():
+        if isinstance(module, BertPreTrainedModel):
+            module.clear_prepared_weights()
+        elif "_fastbert_tree" in module.__dict__:
+            module.__dict__["_fastbert_tree"] = ((), None, ())  # no model's sizes are None: the next call rebuilds
 
 
 def checkpointing(hf_bert) -> bool:

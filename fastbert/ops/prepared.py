@@ -20,12 +20,17 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
+@torch._dynamo.disable  # a compiled step too: run eagerly after it, not traced into it
 def _step_moves_versions(optimizer, args, kwargs) -> None:
-    """After every optimizer step, each parameter's version moves. torch's fused optimizers (fused=True,
-    transformers' Trainer default) write parameters without moving it: forms made from the old values would
-    be served on. Moving it twice (the other optimizers move it themselves) changes nothing else."""
+    """After every optimizer step, the version of each parameter it stepped (one with a gradient) moves.
+    torch's fused optimizers (fused=True, transformers' Trainer default) write parameters without moving it:
+    forms made from the old values would be served on. Moving it twice (the other optimizers move it
+    themselves) changes nothing else; a parameter without a gradient is left alone (a frozen one may be
+    saved for a backward still to come)."""
     for group in optimizer.param_groups:
-        torch.autograd.graph.increment_version(group["params"])
+        stepped = [p for p in group["params"] if p.grad is not None]
+        if stepped:
+            torch.autograd.graph.increment_version(stepped)
 
 
 register_optimizer_step_post_hook(_step_moves_versions)
