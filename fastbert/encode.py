@@ -107,17 +107,23 @@ def forward_tokens(model, device: torch.device, budget: int) -> int:
     key = (f"encode tokens cpu {next(model.parameters()).dtype} {type(layer.intermediate.dense).__name__} "
            f"h{config.hidden_size} i{config.intermediate_size} heads{config.num_attention_heads} to{sizes[-1]}")
 
+    made = []
+
+    def tokens() -> torch.Tensor:  # made only if a trial runs: once measured, a call costs a cache lookup
+        if not made:
+            ids = torch.randint(config.vocab_size, (sizes[-1] // SEQUENCE, SEQUENCE),
+                                generator=torch.Generator().manual_seed(0))  # the caller's random stream untouched
+            made.append(model.embeddings(ids).flatten(0, 1))
+        return made[0]
+
     def trial(size: int):
         def run():
-            for part in x.split(size):
+            for part in tokens().split(size):
                 mask = torch.ones(part.shape[0] // SEQUENCE, SEQUENCE, dtype=torch.bool)
                 layer(part, None, False, padding.packing(mask))
         return run
 
     with torch.inference_mode():
-        ids = torch.randint(config.vocab_size, (sizes[-1] // SEQUENCE, SEQUENCE),
-                            generator=torch.Generator().manual_seed(0))  # the caller's random stream untouched
-        x = model.embeddings(ids).flatten(0, 1)
         # Three calls each: a whole layer over the budget is long enough to time (MiniLM fp32, 16384 tokens:
         # 200-244 ms on a Xeon with AMX).
         return int(tuning.choose(key, {str(s): trial(s) for s in sizes}, (), backward=False, repeats=3))
@@ -162,8 +168,10 @@ def encode_windows(model, texts: Iterable[str], tokenizer, pooling: str = "mean"
     if max_length is None:
         max_length = default_max_length(model, tokenizer)
     device = next(model.parameters()).device
+    # Embeddings are an inference: no dropout, whatever mode the model came in (restored after; nn.Module's
+    # own switch, which keeps what the model prepared: each encode call would pack its weights again).
     training = model.training
-    model.eval()  # embeddings are an inference: no dropout, whatever mode the model came in (restored after)
+    torch.nn.Module.train(model, False)
     try:
         # The budget bounds memory; on a CPU the model runs it in batches of the width measured fastest there.
         budget = forward_tokens(model, device, batch_tokens)
@@ -195,7 +203,7 @@ def encode_windows(model, texts: Iterable[str], tokenizer, pooling: str = "mean"
             yield start, (results if pooling == "none" else torch.stack(results))
             start += len(chunk)
     finally:
-        model.train(training)
+        torch.nn.Module.train(model, training)
 
 
 def encode(model, texts: Iterable[str], tokenizer=None, pooling: str = "mean", normalize: bool = True,

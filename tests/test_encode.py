@@ -102,8 +102,10 @@ def test_the_forward_width_is_measured_once_per_machine(monkeypatch, tmp_path):
         assert width in (2048, 4096, 8192)
         (entry,) = [e for k, e in tuning.entries().items() if k.startswith("encode tokens")]
         assert entry["choice"] == str(width) and all(ms > 0 for ms in entry["ms"].values())
-        tuning.forget()  # another process reads the file and measures nothing
-        assert ENCODE.forward_tokens(model, cpu, 10000) == width and len(timed) == 1
+        tuning.forget()  # another process reads the file and measures nothing, and embeds no trial tokens
+        embedded = []
+        monkeypatch.setattr(model.embeddings, "forward", lambda *a, **k: embedded.append(1))
+        assert ENCODE.forward_tokens(model, cpu, 10000) == width and len(timed) == 1 and not embedded
         assert ENCODE.forward_tokens(model, cpu, 3000) == 3000  # one candidate: nothing to measure
         assert ENCODE.forward_tokens(model, torch.device("cuda"), 10000) == 10000  # GPUs: the budget as given
         monkeypatch.setenv("FASTBERT_CPU_TUNE", "0")  # the static default: the cache rule
