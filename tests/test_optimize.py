@@ -72,6 +72,29 @@ def test_optimize_follows_device_dtype_and_train_mode():
     assert not hf._fastbert_encoder.training
 
 
+def test_bfloat16_model_with_float32_layer_norms():
+    """"LayerNorms kept in float32" in a bfloat16 model, which transformers runs (torch's layer_norm takes
+    float32 parameters for bf16 rows): fastbert runs it too, op by op and when its plans replay, and trains
+    the float32 parameters."""
+    hf = transformers.BertModel(transformers.BertConfig(**SMALL)).eval().to(torch.bfloat16)
+    for module in hf.modules():
+        if isinstance(module, torch.nn.LayerNorm):
+            module.float()
+    plain, truth = copy.deepcopy(hf), copy.deepcopy(hf).double()
+    fastbert.optimize(hf)
+    ids, mask, _ = padded_batch(120, [9, 4, 1])
+    real = mask.bool()
+    want, naive = (m(input_ids=ids, attention_mask=mask).last_hidden_state[real] for m in (truth, plain))
+    with torch.no_grad(), fastbert.dispatch.record() as calls:
+        outs = [hf(input_ids=ids, attention_mask=mask).last_hidden_state[real] for _ in range(4)]  # plans replay
+    assert ran_fastbert(calls)
+    for out in outs:
+        assert_close(out, want, torch.bfloat16, "matmul", naive=naive, name="last_hidden_state")
+    hf(input_ids=ids, attention_mask=mask).last_hidden_state.float().pow(2).sum().backward()
+    norm = hf.encoder.layer[0].output.LayerNorm
+    assert norm.weight.grad.dtype == torch.float32 and norm.weight.grad.abs().sum() > 0
+
+
 def test_unsupported_models_raise_and_stay_untouched():
     relative = transformers.BertModel(transformers.BertConfig(**SMALL, position_embedding_type="relative_key"))
     forward = relative.forward

@@ -9,12 +9,17 @@ from fastbert.ops._op import OpSpec, by_device, needs_grad
 from fastbert.ops._seed import dropout_seed, seed_int
 from fastbert.ops.reference import QuantizedRows
 
+_HALVES = (torch.bfloat16, torch.float16)
+
 
 @dispatch.follows_autocast
 def add_layer_norm(x, residual, weight, bias, eps: float, dropout_p: float = 0.0, quantize_output: bool = False):
     """x, residual [..., N]; weight, bias [N]. Statistics over the last dimension. `quantize_output`
     (inference, int8 models): returns (out, out as QuantizedRows), the rows quantized while the kernel
-    still holds them, for the quantized_dense that reads them next."""
+    still holds them, for the quantized_dense that reads them next. weight and bias may be float32 for a
+    bfloat16 / float16 x, as torch's layer_norm allows ("LayerNorms kept in float32"): rounded to x's dtype."""
+    if weight.dtype == bias.dtype == torch.float32 and x.dtype in _HALVES:
+        weight, bias = weight.to(x.dtype), bias.to(x.dtype)
     if not dispatch.trusted("add_layer_norm", x, eps, dropout_p, quantize_output):
         _checks.tensor("x", x, (1, 2, 3))
         _checks.tensor("residual", residual, (1, 2, 3))

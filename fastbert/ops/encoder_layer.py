@@ -146,6 +146,8 @@ def program(layer, calls) -> LayerProgram | None:
     norm_modules = (attention_out.LayerNorm, ffn_out.LayerNorm)
     if any(type(m) is not torch.nn.LayerNorm for m in norm_modules):
         return None  # a parametrized LayerNorm computes its weight in its forward
+    if any(t.dtype != norms[0][2] for m in norm_modules for t in (m.weight, m.bias)):
+        return None  # float32 LayerNorms in a bfloat16 layer: the op rounds them at each call
     settings = Settings(layer)
     if any(is_parametrized(m) for m in settings.inside):
         return None  # (parametrizing a module drops the plans anyway)

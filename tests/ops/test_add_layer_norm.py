@@ -6,7 +6,7 @@ import torch
 
 from fastbert import dispatch, ops
 from fastbert.ops import reference
-from fastbert.testing import assert_close, assert_ran, poison_outputs, upcast
+from fastbert.testing import assert_close, assert_ran, grad_floor, poison_outputs, upcast
 from grids import DTYPES, device_for, skip_unless_runnable
 from harness import (CPU_DTYPES, HIDDEN, SEEDS, SMALL_HIDDEN, Case, OpCheck, Spec, assert_independent,
                      assert_keep_rate, bad_input_test, check_with_mask, compare_cpu, cpu_keep_mask, dtype_id,
@@ -163,6 +163,29 @@ def test_single_feature(dtype):
 
 # ------------------------------------------------------------------------------ dropout: cpu
 P = 0.3  # the cpu tests' drop probability
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_float32_parameters_with_bfloat16_rows(backend):
+    """weight and bias in float32 with bf16 x and residual, as torch's layer_norm allows: the op runs in
+    bf16 (its parameters rounded once) and their gradients come back in float32."""
+    dtype = torch.bfloat16
+    x, residual = randn(13, 384, dtype=dtype, device="cpu"), randn(13, 384, dtype=dtype, device="cpu", scale=3)
+    weight, bias = _weight(384, torch.float32, "cpu"), randn(384, dtype=torch.float32, device="cpu")
+    args = (x, residual, weight, bias, 1e-12)
+    grad_out = torch.randn(13, 384).to(dtype)
+    with dispatch.use_backend(backend, op="add_layer_norm"), poison_outputs(), dispatch.record() as calls:
+        out = ops.add_layer_norm(*args)
+        grads = torch.autograd.grad(out, args[:4], grad_out)
+    assert_ran(calls, "add_layer_norm", backend)
+    assert out.dtype == dtype and [g.dtype for g in grads] == [dtype, dtype, torch.float32, torch.float32]
+    want = upcast(*args[:4])
+    t_out = reference.add_layer_norm(*want, 1e-12)
+    t_grads = torch.autograd.grad(t_out, want, grad_out.double())
+    naive = torch.nn.functional.layer_norm(x + residual, (384,), weight, bias, 1e-12)  # torch's own, mixed
+    assert_close(out, t_out, dtype, "elementwise", naive=naive, name="output")
+    for i, (g, t) in enumerate(zip(grads, t_grads)):
+        assert_close(g.to(dtype), t, dtype, "grad", name=f"grad of input {i}", floor=grad_floor(dtype, t_grads))
 
 
 def _with_mask(keep, p, eps):
