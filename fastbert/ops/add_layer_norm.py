@@ -18,8 +18,7 @@ def add_layer_norm(x, residual, weight, bias, eps: float, dropout_p: float = 0.0
     (inference, int8 models): returns (out, out as QuantizedRows), the rows quantized while the kernel
     still holds them, for the quantized_dense that reads them next. weight and bias may be float32 for a
     bfloat16 / float16 x, as torch's layer_norm allows ("LayerNorms kept in float32"): rounded to x's dtype."""
-    if weight.dtype == bias.dtype == torch.float32 and x.dtype in _HALVES:
-        weight, bias = weight.to(x.dtype), bias.to(x.dtype)
+    weight, bias = _in_dtype_of(x, weight, bias)
     if not dispatch.trusted("add_layer_norm", x, eps, dropout_p, quantize_output):
         _checks.tensor("x", x, (1, 2, 3))
         _checks.tensor("residual", residual, (1, 2, 3))
@@ -44,6 +43,14 @@ def add_layer_norm(x, residual, weight, bias, eps: float, dropout_p: float = 0.0
               "row_width": int(x.shape[-1])}
     return dispatch.call("add_layer_norm", inputs, x, residual, weight, bias, float(eps), float(dropout_p),
                          bool(quantize_output))
+
+
+def _in_dtype_of(x, weight, bias):
+    """float32 weight and bias of bf16 / fp16 rows rounded to the rows' dtype; anything else as given."""
+    if isinstance(x, torch.Tensor) and x.dtype in _HALVES and all(
+            isinstance(t, torch.Tensor) and t.dtype == torch.float32 for t in (weight, bias)):
+        return weight.to(x.dtype), bias.to(x.dtype)
+    return weight, bias
 
 
 @dispatch.register("add_layer_norm", "reference",
