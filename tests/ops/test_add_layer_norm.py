@@ -93,11 +93,14 @@ test_bad_input = bad_input_test([
     # Tensors on different devices ("meta" stands in for a second device on a machine without a GPU).
     (lambda: ops.add_layer_norm(torch.randn(2, 4), torch.randn(2, 4), torch.randn(4, device="meta"), torch.randn(4), 1e-5),
      "weight is on meta but x is on cpu"),
-    (lambda: ops.add_layer_norm(torch.randn(2, 4).bfloat16(), torch.randn(2, 4).bfloat16(), torch.randn(4), None, 1e-5),
-     "bias must be a torch.Tensor, got NoneType"),
     (lambda: ops.add_layer_norm(torch.randn(2, 4).bfloat16(), torch.randn(2, 4), torch.randn(4), torch.randn(4), 1e-5),
      "residual has dtype torch.float32 but x has dtype torch.bfloat16"),
 ])
+
+
+def test_missing_bias_is_named():
+    with pytest.raises(TypeError, match="bias must be a torch.Tensor, got NoneType"):
+        ops.add_layer_norm(torch.randn(2, 4).bfloat16(), torch.randn(2, 4).bfloat16(), torch.randn(4), None, 1e-5)
 
 
 # ------------------------------------------------------------------------------ numerics (cpu)
