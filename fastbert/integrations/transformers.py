@@ -84,7 +84,7 @@ def _tree(hf_bert, quantized: bool) -> tuple:
     table sizes (resize_token_embeddings changes a table in place, and the config); with int8 copies, also
     the linears' parameters with their storage and version (the copies are made from their values)."""
     config = hf_bert.config
-    parents = tuple((parent, tuple(parent._modules.items())) for parent in hf_bert.modules())
+    parents = tuple((parent, dict(parent._modules)) for parent in hf_bert.modules())
     linears = (m for m in hf_bert.encoder.modules() if isinstance(m, torch.nn.Linear)) if quantized else ()
     weights = tuple((m, name, p, p.data_ptr(), p._version) for m in linears for name, p in m._parameters.items()
                     if p is not None)
@@ -93,13 +93,12 @@ def _tree(hf_bert, quantized: bool) -> tuple:
 
 def _unchanged(hf_bert, tree: tuple) -> bool:
     """`hf_bert` is still what `tree` recorded. A module added anywhere is a child more of a recorded
-    parent, so comparing the recorded parents' children finds it."""
+    parent, so comparing the recorded parents' children finds it (dicts of modules compare by identity,
+    in C: ~20 us a forward for BERT-base's 228 modules)."""
     parents, sizes, weights = tree
     config = hf_bert.config
     return (sizes == (config.vocab_size, config.type_vocab_size, config.max_position_embeddings)
-            and all(len(parent._modules) == len(children) and all(parent._modules.get(name) is child
-                                                                  for name, child in children)
-                    for parent, children in parents)
+            and all(parent._modules == children for parent, children in parents)
             and all(m._parameters.get(name) is p and p.data_ptr() == ptr and p._version == version
                     for m, name, p, ptr, version in weights))
 
