@@ -2,7 +2,9 @@
 
 rel err = ||out - ref|| / ||ref||, with `ref` computed in float64 on upcast inputs. A kernel must be
 within the table's bound for its dtype, norm-wise and element by element (max|out - ref| within
-ELEMENT_FACTOR x the bound x max|ref|: one region far off cannot hide inside an acceptable norm), and,
+ELEMENT_FACTOR x the bound x max|ref|: one region far off cannot hide inside an acceptable norm), row by
+row and column by column (ROW_FACTOR x the bound of a typical row's or column's norm: small rows beside
+large ones and one wrong output feature are seen), and,
 where the same-dtype naive computation is given, within 2x that computation's own error (plus a small
 floor: a tenth of the bound, or the error of rounding the exact result to the dtype), so a kernel is never
 allowed to be much worse than plain PyTorch. That comparison needs a result of at least NAIVE_MIN_ELEMENTS
