@@ -1,5 +1,6 @@
 """fastbert.optimize() on transformers and sentence-transformers models, and attn_implementation="fastbert"."""
 import copy
+import inspect
 
 import pytest
 import torch
@@ -47,6 +48,42 @@ def test_optimize_sequence_classification_logits_loss_and_gradients():
     a = hf(input_ids=ids, attention_mask=mask, token_type_ids=types, labels=labels)
     b = plain(input_ids=ids, attention_mask=mask, token_type_ids=types, labels=labels)
     assert_matches(a.logits, b.logits, name="logits")
+    assert_matches(a.loss, b.loss, name="loss")
+    a.loss.backward()
+    b.loss.backward()
+    assert_same_gradients(hf, plain)
+
+
+def _span(batch):
+    return dict(start_positions=torch.tensor([1, 2, 0]), end_positions=torch.tensor([3, 4, 1]))
+
+
+def _labels_everywhere(batch):  # labels=input_ids: pads scored too, as a careless MLM collator does
+    return dict(labels=batch[0])
+
+
+def _token_labels(batch):
+    return dict(labels=torch.randint(0, 2, batch[0].shape))
+
+
+@pytest.mark.parametrize("head,labels", [
+    (transformers.BertForQuestionAnswering, _span), (transformers.BertForMaskedLM, _labels_everywhere),
+    (transformers.BertForTokenClassification, _token_labels)], ids=["qa", "mlm", "token"])
+def test_losses_that_read_pad_positions_equal_transformers(head, labels):
+    """The span loss (a softmax over every position) and labels scored at pads read the encoder's output
+    at pad positions: fastbert runs the pads through its encoder for such calls, as transformers does
+    (padding-free, they would be zeros). Positional arguments and the signature are transformers'."""
+    hf = head(transformers.BertConfig(**SMALL)).train()
+    plain = copy.deepcopy(hf)
+    fastbert.optimize(hf)
+    assert inspect.signature(hf.forward) == inspect.signature(plain.forward)  # the Trainer's columns
+    batch = padded_batch(120, [12, 7, 3])
+    ids, mask, _ = batch
+    given = labels(batch)
+    with fastbert.dispatch.record() as calls:
+        a = hf(ids, mask, **given)
+    b = plain(ids, mask, **given)
+    assert ran_fastbert(calls)
     assert_matches(a.loss, b.loss, name="loss")
     a.loss.backward()
     b.loss.backward()

@@ -4,11 +4,15 @@ encoder on fastbert's kernels in place, sharing its weights; `register_attention
 """
 from __future__ import annotations
 
+import functools
+import inspect
+import threading
 import warnings
 
 import torch
 
 from fastbert.config import BertConfig
+from fastbert.heads import scores_pads
 from fastbert.model import BertModel, BertPreTrainedModel
 from fastbert.quantization import quantize as fastbert_quantize
 
@@ -150,6 +154,10 @@ class OptimizedForward:
     def __init__(self, hf_bert):
         self.hf_bert = hf_bert
 
+    @property
+    def __signature__(self):  # transformers' (what callers inspect: the Trainer's columns, accepted kwargs)
+        return inspect.signature(type(self.hf_bert).forward.__get__(self.hf_bert))
+
     def __call__(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, *args, **kwargs):
         from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
 
@@ -168,16 +176,51 @@ class OptimizedForward:
             return bool(getattr(config, name, default) if value is None else value)
 
         ours.train(hf_bert.training)
+        padded = id(hf_bert) in getattr(_reading_pads, "models", ())
         # gradient_checkpointing_enable() marks transformers' layers (every one, or every n-th): fastbert's
         # encoder then recomputes every layer in backward, the same numbers.
         ours.encoder.gradient_checkpointing = checkpointing(hf_bert)
         out = ours(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
                    output_hidden_states=setting("output_hidden_states", False),
-                   output_attentions=setting("output_attentions", False))
+                   output_attentions=setting("output_attentions", False), allow_unpadding=not padded)
         result = BaseModelOutputWithPoolingAndCrossAttentions(
             last_hidden_state=out.last_hidden_state, pooler_output=out.pooler_output,
             hidden_states=out.hidden_states, attentions=out.attentions)
         return result if setting("return_dict", True) else result.to_tuple()
+
+
+@functools.cache
+def _signature(cls) -> inspect.Signature:
+    return inspect.signature(cls.forward)
+
+
+_reading_pads = threading.local()  # .models: ids of the encoders whose head's loss, in this thread's call, reads pads
+
+
+class HeadForward:
+    """`forward` of a transformers BertFor* model after optimize(). fastbert's encoder leaves pad positions
+    zero (padding-free); a loss that reads them runs the pads through it, as transformers does: the span
+    loss of question answering (a softmax over every position), labels scored at pads (not -100)."""
+
+    def __init__(self, model, hf_bert):
+        self.model, self.hf_bert = model, hf_bert
+
+    @property
+    def __signature__(self):  # the head's own (transformers' Trainer keeps the dataset columns it names)
+        return inspect.signature(type(self.model).forward.__get__(self.model))
+
+    def __call__(self, *args, **kwargs):
+        model = self.model
+        given = _signature(type(model)).bind_partial(model, *args, **kwargs).arguments
+        reads_pads = given.get("start_positions") is not None or scores_pads(given.get("labels"), given.get("attention_mask"))
+        models = _reading_pads.__dict__.setdefault("models", set())
+        if not reads_pads or id(self.hf_bert) in models:
+            return type(model).forward(model, *args, **kwargs)
+        models.add(id(self.hf_bert))
+        try:
+            return type(model).forward(model, *args, **kwargs)
+        finally:
+            models.discard(id(self.hf_bert))
 
 
 def optimize(model, quantize: str | None = None):
@@ -197,13 +240,15 @@ def optimize(model, quantize: str | None = None):
     if "_fastbert_tree" in hf_bert.__dict__:
         if quantize and not hf_bert.__dict__["_fastbert_quantized"]:
             raise ValueError("this model was optimized without quantize: optimize a fresh copy with quantize='int8'")
-        return model  # already optimized
-    ours = _encoder_for(hf_bert, bool(quantize))
-    # Plain attributes, outside the module tree: state_dict, parameters() and .to() stay HF's, and the
-    # encoder's leaf modules are HF's own, so dtype / device moves and loads reach it.
-    hf_bert.__dict__.update(_fastbert_encoder=ours, _fastbert_tree=_tree(hf_bert, bool(quantize)),
-                            _fastbert_quantized=bool(quantize))
-    hf_bert.forward = OptimizedForward(hf_bert)
+    else:
+        ours = _encoder_for(hf_bert, bool(quantize))
+        # Plain attributes, outside the module tree: state_dict, parameters() and .to() stay HF's, and the
+        # encoder's leaf modules are HF's own, so dtype / device moves and loads reach it.
+        hf_bert.__dict__.update(_fastbert_encoder=ours, _fastbert_tree=_tree(hf_bert, bool(quantize)),
+                                _fastbert_quantized=bool(quantize))
+        hf_bert.forward = OptimizedForward(hf_bert)
+    if model is not hf_bert and getattr(model, "bert", None) is hf_bert and not isinstance(model.forward, HeadForward):
+        model.forward = HeadForward(model, hf_bert)
     return model
 
 
