@@ -772,10 +772,13 @@ def forced_variant(op: str) -> tuple[str, str] | None:
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 
 
-def follows_autocast(public_op):
+def follows_autocast(public_op=None, *, in_float32: bool = False):
     """Decorator for the public ops: under torch.autocast an op runs whole in the autocast dtype
-    (statistics stay fp32 inside the kernels). Floating inputs are cast once, before any check, and
-    the op runs with autocast off."""
+    (statistics stay fp32 inside the kernels), or with `in_float32` in float32, as autocast runs
+    layer_norm (the residual stream then stays float32, as in transformers under autocast). Floating
+    inputs are cast once, before any check, and the op runs with autocast off."""
+    if public_op is None:
+        return functools.partial(follows_autocast, in_float32=in_float32)
 
     @functools.wraps(public_op)
     def wrapper(*args, **kwargs):
@@ -785,7 +788,7 @@ def follows_autocast(public_op):
         device = first.device.type if first is not None else None
         if device is None or not torch.is_autocast_enabled(device):
             return public_op(*args, **kwargs)
-        dtype = torch.get_autocast_dtype(device)
+        dtype = torch.float32 if in_float32 else torch.get_autocast_dtype(device)
         cast = lambda a: a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a  # noqa: E731
         with torch.autocast(device, enabled=False):
             return public_op(*(cast(a) for a in args), **{k: cast(v) for k, v in kwargs.items()})

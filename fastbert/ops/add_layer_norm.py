@@ -12,7 +12,7 @@ from fastbert.ops.reference import QuantizedRows
 _HALVES = (torch.bfloat16, torch.float16)
 
 
-@dispatch.follows_autocast
+@dispatch.follows_autocast(in_float32=True)
 def add_layer_norm(x, residual, weight, bias, eps: float, dropout_p: float = 0.0, quantize_output: bool = False):
     """x, residual [..., N]; weight, bias [N]. Statistics over the last dimension. `quantize_output`
     (inference, int8 models): returns (out, out as QuantizedRows), the rows quantized while the kernel
