@@ -6,6 +6,8 @@ import dataclasses
 import os
 import sys
 
+from fastbert.encode import POOLINGS
+
 
 def positive(text: str) -> int:
     """An argparse type: an integer of at least 1."""
@@ -87,8 +89,10 @@ def main(argv=None) -> int:
     encode.add_argument("--column", default=None, help="the .parquet column holding the text")
     encode.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "int8"], help="the model's precision")
     encode.add_argument("--batch-tokens", type=int, default=16384, help="token budget of a batch (batch x longest)")
-    encode.add_argument("--pooling", default="mean", choices=["mean", "cls"], help="how token states become one vector")
-    encode.add_argument("--no-normalize", action="store_true", help="leave embeddings unnormalized")
+    encode.add_argument("--pooling", default=None, choices=[p for p in POOLINGS if p != "none"],
+                        help="how token states become one vector (default: a sentence-transformers directory's, else mean)")
+    encode.add_argument("--normalize", default=None, action=argparse.BooleanOptionalAction,
+                        help="L2-normalize the embeddings (default: as a sentence-transformers directory says, else yes)")
     encode.add_argument("--max-length", type=int, default=None,
                         help="tokens per text (default: sentence-transformers' max_seq_length, else the model's)")
     encode.add_argument("--truncate", action="store_true", help="cut texts over --max-length instead of stopping")
@@ -114,7 +118,7 @@ def main(argv=None) -> int:
 
         try:
             run(args.model, args.input, args.output, args.dtype, args.batch_tokens, args.field, args.column,
-                args.pooling, not args.no_normalize, args.max_length, args.truncate, args.shard_texts, args.restart,
+                args.pooling, args.normalize, args.max_length, args.truncate, args.shard_texts, args.restart,
                 not args.no_progress)
         except InputError as e:
             print(f"fastbert encode: {e}", file=sys.stderr)

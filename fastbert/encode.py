@@ -4,13 +4,73 @@ short texts are wide and long ones narrow, and the model (padding-free underneat
 Embeddings come back in input order."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
 import os
 from typing import Iterable, Iterator
 
 import torch
 
-POOLINGS = ("mean", "cls", "none")
+# sentence-transformers' pooling modes, and "none" (each text's token states)
+POOLINGS = ("mean", "cls", "max", "mean_sqrt_len_tokens", "weightedmean", "lasttoken", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """What sentence-transformers runs around the encoder: the text that goes in, the pooling after."""
+
+    pooling: str = "mean"
+    normalize: bool = True
+    prompt: str = ""  # put before every text (the directory's default prompt)
+    include_prompt: bool = True  # False: the prompt's tokens (and [CLS]) are left out of the pooling
+    lowercase: bool = False  # sentence_bert_config.json's do_lower_case
+
+    def __post_init__(self):
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
+
+
+# The modules of a sentence-transformers directory (modules.json) fastbert runs: the encoder, then these.
+_AFTER_ENCODER = ("Pooling", "Normalize")
+_LEGACY_POOLING = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean", "pooling_mode_max_tokens": "max",
+                   "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+                   "pooling_mode_weightedmean_tokens": "weightedmean", "pooling_mode_lasttoken": "lasttoken"}
+
+
+def _json(directory, *path) -> dict | list | None:
+    path = os.path.join(os.fspath(directory), *path)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def recipe_of(directory=None, pooling: str | None = None, normalize: bool | None = None) -> Recipe:
+    """The recipe of a model directory: sentence-transformers' (modules.json: Transformer, then Pooling and
+    Normalize; do_lower_case; the default prompt), or, for a plain transformers directory or none, mean pooling
+    normalized. `pooling` / `normalize`, where given, replace the directory's. A pipeline with modules fastbert
+    does not run (Dense, ...) raises, naming them, rather than give other embeddings than sentence-transformers."""
+    found = {}
+    modules = _json(directory, "modules.json") if directory is not None else None
+    if modules:
+        kinds = [m.get("type", "").rsplit(".", 1)[-1] for m in modules]
+        if kinds[0] != "Transformer" or any(k not in _AFTER_ENCODER for k in kinds[1:]) or kinds.count("Pooling") != 1:
+            raise ValueError(f"{directory}: its sentence-transformers modules are {' -> '.join(kinds)}; fastbert.encode "
+                             "runs Transformer -> Pooling (-> Normalize): run this model with sentence-transformers "
+                             "after fastbert.optimize(SentenceTransformer(...))")
+        config = _json(directory, modules[kinds.index("Pooling")].get("path", ""), "config.json") or {}
+        mode = config.get("pooling_mode") or [v for k, v in _LEGACY_POOLING.items() if config.get(k)] or "mean"
+        mode = mode[0] if isinstance(mode, list) and len(mode) == 1 else mode
+        if not isinstance(mode, str):
+            raise ValueError(f"{directory}: pooling modes {mode} concatenated: fastbert.encode pools one way")
+        settings = _json(directory, "config_sentence_transformers.json") or {}
+        prompt_name = settings.get("default_prompt_name")
+        found = dict(pooling=mode, normalize="Normalize" in kinds, include_prompt=bool(config.get("include_prompt", True)),
+                     prompt=(settings.get("prompts") or {}).get(prompt_name, "") if prompt_name else "",
+                     lowercase=bool((_json(directory, "sentence_bert_config.json") or {}).get("do_lower_case")))
+    given = {k: v for k, v in (("pooling", pooling), ("normalize", normalize)) if v is not None}
+    return Recipe(**{**found, **given})
 
 
 class TextTooLong(ValueError):
@@ -32,24 +92,21 @@ def load(directory, dtype: str = "fp32"):
     if dtype not in ("fp32", "bf16", "int8"):
         raise ValueError(f"dtype must be fp32, bf16 or int8, got {dtype!r}")
     model = BertModel.from_pretrained(directory)
+    saved_int8 = quantization.is_quantized(model)
+    if saved_int8 and dtype != "int8":
+        raise ValueError(f"{directory} holds an int8 model (saved quantized): its dtype is int8, not {dtype}")
     if dtype == "bf16":
         model.to(torch.bfloat16)
     elif dtype == "int8":
-        quantization.quantize(model).to(quantization.fast_activation_dtype())
+        (model if saved_int8 else quantization.quantize(model)).to(quantization.fast_activation_dtype())
     return model, transformers.AutoTokenizer.from_pretrained(directory)
 
 
 def default_max_length(model, tokenizer, directory=None) -> int:
     """sentence-transformers' max_seq_length where the directory has one, else what tokenizer and model allow."""
-    if directory is not None:
-        import json
-
-        path = os.path.join(os.fspath(directory), "sentence_bert_config.json")
-        if os.path.exists(path):
-            with open(path) as f:
-                length = json.load(f).get("max_seq_length")
-            if length:
-                return int(length)
+    length = (_json(directory, "sentence_bert_config.json") or {}).get("max_seq_length") if directory is not None else None
+    if length:
+        return int(length)
     return int(min(tokenizer.model_max_length, model.config.max_position_embeddings))
 
 
@@ -141,32 +198,49 @@ def tokenize(tokenizer, texts: list[str], max_length: int, truncate: bool, first
     return ids
 
 
-def _pool(hidden, mask, pooling, normalize):
-    if pooling == "none":
+def _pool(hidden, mask, recipe: Recipe, skipped: int):
+    """sentence-transformers' pooling of right-padded token states (in float32: a bf16 model's states,
+    added up in bf16, would lose digits); the first `skipped` tokens (a prompt's) left out."""
+    if recipe.pooling == "none":
         return [h[m.bool()].float() for h, m in zip(hidden, mask)]
-    if pooling == "cls":
-        pooled = hidden[:, 0].float()
-    else:  # summed in float32: a bf16 model's token states, added up in bf16, would lose digits
-        m = mask.unsqueeze(-1).float()
-        pooled = (hidden.float() * m).sum(1) / m.sum(1).clamp_min(1)
-    return torch.nn.functional.normalize(pooled, dim=-1) if normalize else pooled
+    hidden, keep = hidden.float(), mask.float()
+    keep[:, :skipped] = 0
+    m = keep.unsqueeze(-1)
+    mode = recipe.pooling
+    rows = torch.arange(hidden.shape[0], device=hidden.device)
+    if mode == "cls":  # the first token pooled over
+        pooled = hidden[rows, keep.argmax(1)]
+    elif mode == "lasttoken":  # the last one (zeros where there is none)
+        pooled = hidden[rows, keep.shape[1] - 1 - keep.flip(1).argmax(1)] * keep.amax(1, keepdim=True)
+    elif mode == "max":
+        pooled = hidden.masked_fill(m == 0, float("-inf")).amax(1)
+    elif mode == "weightedmean":  # token i weighs i + 1
+        w = m * torch.arange(1, keep.shape[1] + 1, device=hidden.device, dtype=hidden.dtype).view(1, -1, 1)
+        pooled = (hidden * w).sum(1) / w.sum(1).clamp_min(1e-9)
+    else:
+        count = m.sum(1).clamp_min(1e-9)
+        pooled = (hidden * m).sum(1) / (count if mode == "mean" else count.sqrt())
+    return torch.nn.functional.normalize(pooled, dim=-1) if recipe.normalize else pooled
 
 
-def encode_windows(model, texts: Iterable[str], tokenizer, pooling: str = "mean", normalize: bool = True,
-                   batch_tokens: int = 16384, max_length: int | None = None, truncate: bool = True,
-                   window: int = 4096, on_batch=None) -> Iterator[tuple[int, object]]:
+def encode_windows(model, texts: Iterable[str], tokenizer, recipe: Recipe = Recipe(), batch_tokens: int = 16384,
+                   max_length: int | None = None, truncate: bool = True, window: int = 4096,
+                   on_batch=None) -> Iterator[tuple[int, object]]:
     """(index of the window's first text, its embeddings in input order) per window of `window` texts;
     `on_batch(texts, tokens)` after each batch (progress)."""
-    if pooling not in POOLINGS:
-        raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
     if batch_tokens < 1 or window < 1:
         raise ValueError(f"batch_tokens and window must be positive, got {batch_tokens} and {window}")
     if max_length is not None and max_length < 2:
         raise ValueError(f"max_length must be at least 2 ([CLS] and [SEP]), got {max_length}")
     if isinstance(texts, (str, bytes)):
         raise TypeError("texts must be an iterable of str, got one str (its characters would be the texts): pass [text]")
+    limit = model.config.max_position_embeddings
     if max_length is None:
         max_length = default_max_length(model, tokenizer)
+    elif max_length > limit:
+        raise ValueError(f"max_length={max_length} is over the model's {limit} positions (max_position_embeddings)")
+    # sentence-transformers leaves [CLS] and the prompt's tokens out of the pooling with include_prompt False
+    skipped = 0 if recipe.include_prompt or not recipe.prompt else len(tokenizer(recipe.prompt)["input_ids"]) - 1
     device = next(model.parameters()).device
     # Embeddings are an inference: no dropout, whatever mode the model came in (restored after; nn.Module's
     # own switch, which keeps what the model prepared: each encode call would pack its weights again).
@@ -184,6 +258,13 @@ def encode_windows(model, texts: Iterable[str], tokenizer, pooling: str = "mean"
             for k, t in enumerate(chunk):
                 if not isinstance(t, str):
                     raise TypeError(f"text {start + k} is a {type(t).__name__}, not a str")
+                if not t.isascii():
+                    try:
+                        t.encode("utf-8")
+                    except UnicodeEncodeError as e:  # a lone surrogate (from JSON's "\ud800"): no tokenizer takes it
+                        raise ValueError(f"text {start + k} is not valid Unicode ({e.reason} at character {e.start})") from None
+            if recipe.prompt or recipe.lowercase:
+                chunk = [(recipe.prompt + t).lower() if recipe.lowercase else recipe.prompt + t for t in chunk]
             ids = tokenize(tokenizer, chunk, max_length, truncate, start)
             results: list = [None] * len(chunk)
             for batch in token_budget_batches([len(r) for r in ids], budget):
@@ -195,24 +276,26 @@ def encode_windows(model, texts: Iterable[str], tokenizer, pooling: str = "mean"
                     mask[row, : len(ids[i])] = 1
                 with torch.inference_mode():
                     hidden = model(x.to(device), attention_mask=mask.to(device)).last_hidden_state
-                    pooled = _pool(hidden, mask.to(device), pooling, normalize)
+                    pooled = _pool(hidden, mask.to(device), recipe, skipped)
                 for row, i in enumerate(batch):
                     results[i] = pooled[row].cpu()
                 if on_batch is not None:
                     on_batch(len(batch), int(mask.sum()))
-            yield start, (results if pooling == "none" else torch.stack(results))
+            yield start, (results if recipe.pooling == "none" else torch.stack(results))
             start += len(chunk)
     finally:
         torch.nn.Module.train(model, training)
 
 
-def encode(model, texts: Iterable[str], tokenizer=None, pooling: str = "mean", normalize: bool = True,
+def encode(model, texts: Iterable[str], tokenizer=None, pooling: str | None = None, normalize: bool | None = None,
            batch_tokens: int = 16384, max_length: int | None = None, truncate: bool = True, window: int = 4096):
     """Embeddings of `texts` (any iterable of str, read window by window) in input order: float32 [N, H]
-    for pooling "mean" (sentence-transformers' default) or "cls", L2-normalized by default; for "none"
-    each text's token states [tokens, H]. `model`: a fastbert BertModel (with `tokenizer`), or an HF BERT
-    directory (model and tokenizer loaded from it; sentence-transformers' max_seq_length honoured).
-    Texts over max_length are truncated (truncate=False: an error naming the text)."""
+    pooled (POOLINGS: sentence-transformers' modes), L2-normalized or not; for pooling "none" each text's
+    token states [tokens, H]. `model`: a fastbert BertModel (with `tokenizer`), or an HF BERT directory (model
+    and tokenizer loaded from it): a sentence-transformers one is run as sentence-transformers runs it (its
+    pooling, Normalize, max_seq_length, do_lower_case and default prompt; encode.recipe_of). Otherwise,
+    and by default, mean pooling, normalized. Texts over max_length are truncated (truncate=False: an error
+    naming the text)."""
     directory = None
     if isinstance(model, (str, os.PathLike)):
         directory = model
@@ -220,11 +303,11 @@ def encode(model, texts: Iterable[str], tokenizer=None, pooling: str = "mean", n
         tokenizer = tokenizer or loaded
     if tokenizer is None:
         raise ValueError("encode() needs the model's tokenizer (or pass a model directory instead of a model)")
+    how = recipe_of(directory, pooling, normalize)
     if max_length is None:
         max_length = default_max_length(model, tokenizer, directory)
-    parts = [e for _, e in encode_windows(model, texts, tokenizer, pooling, normalize, batch_tokens, max_length,
-                                          truncate, window)]
-    if pooling == "none":
+    parts = [e for _, e in encode_windows(model, texts, tokenizer, how, batch_tokens, max_length, truncate, window)]
+    if how.pooling == "none":
         return [t for part in parts for t in part]
     if not parts:
         return torch.empty(0, model.config.hidden_size)

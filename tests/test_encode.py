@@ -157,7 +157,11 @@ def test_cuda_encode_equals_cpu_on_gpu_kernels(tmp_path):
 def test_bad_arguments_are_named(minilm):
     model, tokenizer = minilm
     with pytest.raises(ValueError, match="pooling must be one of"):
-        fastbert.encode(model, ["a"], tokenizer, pooling="max")
+        fastbert.encode(model, ["a"], tokenizer, pooling="maximum")
+    with pytest.raises(ValueError, match="max_length=600 is over the model's 512 positions"):
+        fastbert.encode(model, ["a"], tokenizer, max_length=600)
+    with pytest.raises(ValueError, match="text 1 is not valid Unicode"):
+        fastbert.encode(model, ["a", json.loads('"a\\ud800b"')], tokenizer)
     with pytest.raises(ValueError, match="needs the model's tokenizer"):
         fastbert.encode(model, ["a"])
     with pytest.raises(TypeError, match="text 1 is a int"):
@@ -170,8 +174,78 @@ def test_bad_arguments_are_named(minilm):
         fastbert.encode(model, "a sentence", tokenizer)
 
 
-def cli(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "fastbert", "encode", "--model", minilm_dir(), "--no-progress", *args],
+@pytest.fixture(scope="module")
+def tiny_bert_dir(tmp_path_factory):
+    """A small random BERT with MiniLM's tokenizer, saved as a transformers directory."""
+    import transformers
+
+    directory = tmp_path_factory.mktemp("tiny_bert")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=128)
+    transformers.BertModel(config).save_pretrained(directory)
+    transformers.AutoTokenizer.from_pretrained(minilm_dir()).save_pretrained(directory)
+    return str(directory)
+
+
+def _sentence_transformers_dir(base, path, pooling, normalize=True, prompt=None, include_prompt=True, lower=False,
+                               dense=False):
+    st = pytest.importorskip("sentence_transformers")
+    from sentence_transformers import models
+
+    modules = [models.Transformer(base),
+               models.Pooling(64, pooling_mode=pooling, include_prompt=include_prompt)]
+    modules += [models.Dense(64, 32)] if dense else []
+    modules += [models.Normalize()] if normalize else []
+    model = st.SentenceTransformer(modules=modules, device="cpu")
+    if prompt:
+        model.prompts, model.default_prompt_name = {"query": prompt}, "query"
+    model.save(str(path))
+    if lower:  # as hub models say it (sentence-transformers 6 bakes it into tokenizer.json, and loses it there)
+        config = json.loads((path / "sentence_bert_config.json").read_text())
+        (path / "sentence_bert_config.json").write_text(json.dumps({**config, "do_lower_case": True}))
+    return st.SentenceTransformer(str(path), device="cpu")  # what the directory says, as a user loads it
+
+
+@pytest.mark.parametrize("pooling,options", [
+    ("mean", {}), ("mean", dict(normalize=False)), ("cls", dict(normalize=False)), ("max", {}),
+    ("mean_sqrt_len_tokens", dict(normalize=False)), ("weightedmean", {}), ("lasttoken", {}),
+    ("mean", dict(prompt="query: ")), ("mean", dict(prompt="query: ", include_prompt=False)),
+    ("cls", dict(prompt="query: ", include_prompt=False)), ("mean", dict(lower=True))], ids=str)
+def test_a_sentence_transformers_directory_is_run_as_sentence_transformers_runs_it(tmp_path, tiny_bert_dir, pooling,
+                                                                                  options):
+    """Its pooling, Normalize (or none), default prompt (its tokens pooled or not) and do_lower_case, read
+    from the directory: the embeddings sentence-transformers gives."""
+    base = tiny_bert_dir
+    if options.get("lower"):  # a cased tokenizer (on the uncased vocabulary): lowercasing the text changes its ids
+        import shutil
+
+        import transformers
+
+        base = shutil.copytree(tiny_bert_dir, tmp_path / "cased")
+        transformers.AutoTokenizer.from_pretrained(tiny_bert_dir, do_lower_case=False).save_pretrained(base)
+    theirs = _sentence_transformers_dir(str(base), tmp_path / "st", pooling, **options)
+    texts = ["The Cat sits on the mat.", "", "A longer sentence about the weather in Lisbon and Porto.", "Hi"]
+    want = theirs.encode(texts, convert_to_tensor=True)
+    assert_matches(fastbert.encode(str(tmp_path / "st"), texts), want, name="embeddings")
+
+
+def test_a_sentence_transformers_pipeline_fastbert_cannot_run_is_refused(tmp_path, tiny_bert_dir):
+    _sentence_transformers_dir(tiny_bert_dir, tmp_path, "mean", dense=True)
+    with pytest.raises(ValueError, match="Transformer -> Pooling -> Dense -> Normalize"):
+        fastbert.encode(str(tmp_path), ["a"])
+    done = cli("--input", str(_txt(tmp_path, ["a"])), "--output", str(tmp_path / "out.npy"), model=str(tmp_path))
+    assert done.returncode == 2 and "Dense" in done.stderr
+
+
+def _txt(tmp_path, texts):
+    path = tmp_path / "in.txt"
+    path.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    return path
+
+
+def cli(*args, timeout=600, model=None):
+    return subprocess.run([sys.executable, "-m", "fastbert", "encode", "--model", model or minilm_dir(), "--no-progress", *args],
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -213,6 +287,7 @@ def test_command_int8_and_bf16_stay_close_to_fp32(tmp_path):
     (b'{"text": "a"}\n{"other": "b"}\n', ["--field", "text"], "in.jsonl line 2: no field 'text'"),
     (b'{"text": "a"}\nnot json\n', ["--field", "text"], "in.jsonl line 2: not JSON"),
     (b"short\n" + b"word " * 400 + b"\n", [], "in.txt line 2: 402 tokens, over max_length 256 \\(--truncate"),
+    (b'{"text": "a"}\n{"text": "a\\ud800b"}\n', ["--field", "text"], "in.jsonl line 2: field 'text' is not valid Unicode"),
 ])
 def test_command_bad_input_names_the_line(tmp_path, content, extra, message):
     name = "in.jsonl" if extra else "in.txt"
@@ -267,6 +342,8 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path):
     ("in.txt", {"batch_tokens": 0}, "--batch-tokens must be at least 1, got 0"),
     ("in.txt", {"shard_texts": 0}, "--shard-texts must be at least 1, got 0"),
     ("in.txt", {"max_length": 1}, "--max-length must be at least 2, got 1"),
+    ("in.txt", {"max_length": 600}, "--max-length 600 is over the model's 512 positions"),
+    ("in.txt", {"pooling": "maximum"}, "pooling must be one of"),
 ])
 def test_command_usage_errors_leave_nothing_behind(tmp_path, name, options, message):
     from fastbert.apps.encode import InputError, run
@@ -320,3 +397,38 @@ def test_a_model_saved_again_in_place_is_not_resumed_into(tmp_path, capfd):
     whole = tmp_path / "whole.npy"
     run(str(model_dir), str(tmp_path / "in.txt"), str(whole), truncate=True, **common)
     assert np.array_equal(np.load(out), np.load(whole))
+
+
+def test_an_output_inside_the_model_directory_resumes(tmp_path, tiny_bert_dir, monkeypatch):
+    """The run's own shards are not the model's files: a run writing into the model's directory resumes."""
+    import shutil
+
+    from fastbert.apps import encode as command
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_bert_dir, model)
+    texts = _txt(tmp_path, SENTENCES[:6])
+    out = model / "out.npy"
+    stopped = lambda *args: (_ for _ in ()).throw(KeyboardInterrupt)  # noqa: E731  (stops after the last shard)
+    monkeypatch.setattr(command, "_assemble", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        command.run(str(model), str(texts), str(out), shard_texts=2, progress=False)
+    monkeypatch.undo()
+    command.run(str(model), str(texts), str(out), shard_texts=2, progress=False)
+    assert_matches(torch.from_numpy(np.load(out)), fastbert.encode(str(model), SENTENCES[:6]), name="embeddings")
+
+
+def test_a_directory_saved_int8_is_loaded_as_int8_only(tmp_path, tiny_bert_dir):
+    import transformers
+
+    model = fastbert.quantize(fastbert.BertModel.from_pretrained(tiny_bert_dir))
+    model.save_pretrained(tmp_path)
+    transformers.AutoTokenizer.from_pretrained(tiny_bert_dir).save_pretrained(tmp_path)
+    for dtype in ("fp32", "bf16"):
+        with pytest.raises(ValueError, match=f"holds an int8 model \\(saved quantized\\): its dtype is int8, not {dtype}"):
+            load(tmp_path, dtype)
+    loaded, _ = load(tmp_path, "int8")
+    with torch.inference_mode():
+        ids = torch.randint(1000, 2000, (2, 7))
+        assert_matches(loaded(ids).last_hidden_state.float(), model.to(loaded.embeddings.word_embeddings.weight.dtype)(ids)
+                       .last_hidden_state.float(), name="int8 model")

@@ -4,6 +4,7 @@ its last complete shard, and its result equals an uninterrupted run's (each shar
 fastbert.encode's windows, batched the same way on every run)."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -72,28 +73,36 @@ def _line_texts(path, field) -> Iterator[str]:
                 raise InputError(f"{path} line {number}: not JSON ({e.msg})") from None
             if not isinstance(record, dict) or field not in record:
                 raise InputError(f"{path} line {number}: no field {field!r}")
-            if not isinstance(record[field], str):
-                raise InputError(f"{path} line {number}: field {field!r} is {type(record[field]).__name__}, not a string")
-            yield record[field]
+            text = record[field]
+            if not isinstance(text, str):
+                raise InputError(f"{path} line {number}: field {field!r} is {type(text).__name__}, not a string")
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:  # JSON's "\ud800" decodes to a lone surrogate
+                raise InputError(f"{path} line {number}: field {field!r} is not valid Unicode ({e.reason} at "
+                                 f"character {e.start})") from None
+            yield text
 
 
-def _files(directory: str) -> dict:
-    """{path: [bytes, mtime_ns]} of the files under `directory` (hidden ones aside): a model saved again in
-    place, under the same name, is another model."""
-    files = {}
+def _files(directory: str, output: str) -> dict:
+    """{path: [bytes, mtime_ns]} of the files under `directory` (hidden ones and this run's output aside): a
+    model saved again in place, under the same name, is another model."""
+    files, own = {}, {os.path.abspath(p) for p in (output, output + ".tmp", output + ".parts")}
     for root, dirs, names in os.walk(directory):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and os.path.abspath(os.path.join(root, d)) not in own)
         for name in sorted(n for n in names if not n.startswith(".")):
+            if os.path.abspath(os.path.join(root, name)) in own:
+                continue
             stat = os.stat(os.path.join(root, name))
             files[os.path.relpath(os.path.join(root, name), directory)] = [stat.st_size, stat.st_mtime_ns]
     return files
 
 
-def _manifest(args, input_path, model_dir) -> dict:
+def _manifest(args, input_path, model_dir, output) -> dict:
     stat = os.stat(input_path)
     return {"input": os.path.abspath(input_path), "input_bytes": stat.st_size, "input_mtime_ns": stat.st_mtime_ns,
-            "model": os.path.abspath(model_dir), "model_files": _files(model_dir), "dtype": args["dtype"],
-            "pooling": args["pooling"], "normalize": args["normalize"], "max_length": args["max_length"],
+            "model": os.path.abspath(model_dir), "model_files": _files(model_dir, output), "dtype": args["dtype"],
+            "recipe": args["recipe"], "max_length": args["max_length"],
             "truncate": args["truncate"], "batch_tokens": args["batch_tokens"], "shard_texts": args["shard_texts"],
             "field": args["field"], "column": args["column"]}
 
@@ -143,11 +152,11 @@ def _assemble(parts: str, count: int, out: str, width: int) -> int:
 
 
 def run(model_dir: str, input_path: str, output: str, dtype: str = "fp32", batch_tokens: int = 16384,
-        field: str | None = None, column: str | None = None, pooling: str = "mean", normalize: bool = True,
+        field: str | None = None, column: str | None = None, pooling: str | None = None, normalize: bool | None = None,
         max_length: int | None = None, truncate: bool = False, shard_texts: int = 4096, restart: bool = False,
         progress: bool = True) -> int:
     """Embed every text of `input_path` into `output`; returns the number of texts."""
-    from fastbert.encode import TextTooLong, default_max_length, encode_windows, load
+    from fastbert.encode import TextTooLong, default_max_length, encode_windows, load, recipe_of
 
     if not output.endswith((".npy", ".parquet")):
         raise InputError(f"--output must end in .npy or .parquet, got {output}")
@@ -160,12 +169,19 @@ def run(model_dir: str, input_path: str, output: str, dtype: str = "fp32", batch
         if value is not None and value < least:
             raise InputError(f"{name} must be at least {least}, got {value}")
     texts = read_texts(input_path, field, column)
-    model, tokenizer = load(model_dir, dtype)
+    try:
+        how = recipe_of(model_dir, pooling, normalize)
+        model, tokenizer = load(model_dir, dtype)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    limit = model.config.max_position_embeddings
     if max_length is None:
         max_length = default_max_length(model, tokenizer, model_dir)
-    settings = dict(dtype=dtype, pooling=pooling, normalize=normalize, max_length=max_length, truncate=truncate,
+    elif max_length > limit:
+        raise InputError(f"--max-length {max_length} is over the model's {limit} positions (max_position_embeddings)")
+    settings = dict(dtype=dtype, recipe=dataclasses.asdict(how), max_length=max_length, truncate=truncate,
                     batch_tokens=batch_tokens, shard_texts=shard_texts, field=field, column=column)
-    manifest = _manifest(settings, input_path, model_dir)
+    manifest = _manifest(settings, input_path, model_dir, output)
     parts = output + ".parts"
     if restart and os.path.isdir(parts):
         shutil.rmtree(parts)
@@ -204,7 +220,7 @@ def run(model_dir: str, input_path: str, output: str, dtype: str = "fp32", batch
 
     shard = done
     try:
-        for _, embeddings in encode_windows(model, texts, tokenizer, pooling, normalize, batch_tokens, max_length,
+        for _, embeddings in encode_windows(model, texts, tokenizer, how, batch_tokens, max_length,
                                             truncate, shard_texts, on_batch):
             path = os.path.join(parts, f"{shard:06d}.npy")
             with open(path + ".tmp", "wb") as f:

@@ -23,21 +23,22 @@ class Embedder:
     intra-op threads per actor (default: torch's choice, which Ray's num_cpus bounds)."""
 
     def __init__(self, model: str, column: str = "text", output_column: str = "embedding", dtype: str = "fp32",
-                 pooling: str = "mean", normalize: bool = True, batch_tokens: int = 16384,
+                 pooling: str | None = None, normalize: bool | None = None, batch_tokens: int = 16384,
                  max_length: int | None = None, truncate: bool = True, threads: int | None = None):
-        from fastbert.encode import default_max_length, load
+        from fastbert.encode import default_max_length, load, recipe_of
 
         if pooling == "none":
             raise ValueError("pooling 'none' gives one array per text; Embedder adds pooled embeddings")
         if threads:
             torch.set_num_threads(threads)
+        self.recipe = recipe_of(model, pooling, normalize)  # a sentence-transformers directory's, as fastbert.encode
         self.model, self.tokenizer = load(model, dtype)
         self.max_length = max_length if max_length is not None else default_max_length(self.model, self.tokenizer, model)
         self.column, self.output_column = column, output_column
-        self.options = dict(pooling=pooling, normalize=normalize, batch_tokens=batch_tokens, truncate=truncate)
+        self.batch_tokens, self.truncate = batch_tokens, truncate
 
     def __call__(self, batch: dict) -> dict:
-        from fastbert.encode import encode
+        from fastbert.encode import encode_windows
 
         if self.column not in batch:
             raise KeyError(f"the batch has no column {self.column!r} (columns: {', '.join(batch)})")
@@ -46,6 +47,9 @@ class Embedder:
             if not isinstance(t, str):  # a null is not the text "None"
                 raise TypeError(f"row {row} of column {self.column!r} is {type(t).__name__}, not a string")
         texts = [str(t) for t in texts]  # numpy's str_ as str
-        embeddings = encode(self.model, texts, self.tokenizer, max_length=self.max_length, window=max(len(texts), 1),
-                            **self.options)
-        return {**batch, self.output_column: np.asarray(embeddings.numpy(), dtype=np.float32)}
+        windows = encode_windows(self.model, texts, self.tokenizer, self.recipe, self.batch_tokens, self.max_length,
+                                 self.truncate, window=max(len(texts), 1))
+        embeddings = [e.numpy() for _, e in windows]  # one window (none for an empty batch)
+        width = self.model.config.hidden_size
+        return {**batch, self.output_column: np.concatenate(embeddings, dtype=np.float32) if embeddings
+                else np.empty((0, width), dtype=np.float32)}
