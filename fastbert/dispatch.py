@@ -162,11 +162,11 @@ class Facts:
 
 def facts(inputs: dict) -> Facts:
     """`inputs`: `tensors` (the call's tensor arguments) and flags `head_dim`, `dropout_p`, `need_weights`,
-    `quantize_output`, `gelu`, `row_width`."""
+    `quantize_output`, `gelu`, `row_width`; `dtypes`: floating dtypes the call computes in beyond its tensors'."""
     tensors = [t for t in inputs.get("tensors", ()) if t is not None]
     return Facts(
         devices=tuple(sorted({t.device.type for t in tensors})),
-        dtypes=tuple(sorted({t.dtype for t in tensors if t.is_floating_point()}, key=str)),
+        dtypes=tuple(sorted({t.dtype for t in tensors if t.is_floating_point()} | set(inputs.get("dtypes", ())), key=str)),
         head_dim=inputs.get("head_dim"),
         dropout=True if inputs.get("dropout_p", 0.0) > 0 else False,  # a branch: dynamo specializes it
         need_weights=bool(inputs.get("need_weights", False)),
@@ -288,7 +288,7 @@ def _selection(op: str, inputs: dict | Facts) -> tuple[str, dict[str, list[str]]
     """select()'s answer, the backend's variants that can serve the call, and the call's cache key."""
     if isinstance(inputs, dict) and not torch.compiler.is_compiling():
         # torch.device, not .type: the key is built on every call and .type costs a string each time.
-        key = (op, tuple([(t.device, t.dtype) for t in inputs.get("tensors", ()) if t is not None]),
+        key = (op, tuple([(t.device, t.dtype) for t in inputs.get("tensors", ()) if t is not None]), inputs.get("dtypes"),
                inputs.get("head_dim"), inputs.get("dropout_p", 0.0) > 0, bool(inputs.get("need_weights", False)),
                bool(inputs.get("quantize_output", False)), bool(inputs.get("gelu", False)), inputs.get("row_width"),
                forced_backend(op), forced_variant(op))

@@ -124,6 +124,20 @@ def test_cast_keeps_scales_float32():
     assert torch.equal(layer.weight_scale, before) and layer.bias.dtype == torch.float32
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64], ids=str)
+def test_an_int8_model_in_a_dtype_the_kernels_lack_runs_on_the_reference(dtype):
+    """Its GEMMs' inputs arrive as QuantizedRows, which hold no tensor of the dtype they stand for: the
+    dispatch must still see it (the cpu kernel took them and raised on its float16 output)."""
+    model = fastbert.quantize(fastbert.BertModel(small_config()))
+    ids = torch.randint(1, 100, (2, 9))
+    with torch.inference_mode():
+        want = model(ids).last_hidden_state
+        with fastbert.dispatch.record() as calls:
+            out = model.to(dtype)(ids).last_hidden_state
+    assert out.dtype == dtype and ("quantized_dense", "reference") in calls
+    assert rel_err(out.float(), want) <= INT8.hidden_rel_err  # the same int8 model, another float rounding
+
+
 def test_save_and_load_keep_the_int8_weights(tmp_path):
     model = fastbert.quantize(fastbert.BertModel(small_config()))
     model.save_pretrained(tmp_path)

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "vec.h"
 
@@ -55,6 +56,7 @@ void quantize_row(const T* x, int64_t k, uint8_t* q, float* scale, int32_t* zero
   const float l = reduce_min(lo), h = reduce_max(hi);
   float s = (h - l) / 255.f;
   if (s == 0.f) s = 1.f;  // an all-zero row
+  s = std::max(s, std::numeric_limits<float>::min());  // a tiny range: 1 / s stays finite
   const float inv = 1.f / s;
   const float z = std::min(std::max(std::nearbyint(-l * inv), 0.f), 255.f);
   *scale = s;

@@ -51,7 +51,9 @@ def quantized_dense(x, weight: torch.Tensor, weight_scale: torch.Tensor, bias: t
         _checks_of(x, weight, weight_scale, bias, activation, approximate, prepared, quantize_output, input_scale,
                    input_zero_point)
     epilogue = EPILOGUES[activation, approximate]
-    return dispatch.call("quantized_dense", {"tensors": tensors}, x, weight, weight_scale, bias, epilogue, prepared,
+    # QuantizedRows stand for a float dtype no tensor of theirs holds: the result's, which a backend must serve
+    inputs = {"tensors": tensors, "dtypes": (x.dtype,)} if rows else {"tensors": tensors}
+    return dispatch.call("quantized_dense", inputs, x, weight, weight_scale, bias, epilogue, prepared,
                          bool(quantize_output), input_scale, input_zero_point)
 
 

@@ -47,8 +47,7 @@ def quantize_rows(x):
     by these steps, and the C++ kernel takes the same ones, so both produce the same bytes."""
     x = x.float()
     lo, hi = x.amin(1).clamp(max=0), x.amax(1).clamp(min=0)
-    scale = (hi - lo) / 255
-    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    scale = _usable((hi - lo) / 255)
     inv = 1 / scale
     zero_point = torch.round(-lo * inv).clamp(0, 255)
     q = (torch.round(x * inv[:, None]) + zero_point[:, None]).clamp(0, 255)
@@ -65,9 +64,14 @@ def range_to_scale(lo, hi):
     """The uint8 scale (float32) and zero point (int32) of a calibrated range [lo, hi], widened to include 0,
     as quantize_rows derives them from a row's own range."""
     lo, hi = torch.as_tensor(lo, dtype=torch.float32).clamp(max=0), torch.as_tensor(hi, dtype=torch.float32).clamp(min=0)
-    scale = (hi - lo) / 255
-    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    scale = _usable((hi - lo) / 255)
     return scale, torch.round(-lo * (1 / scale)).clamp(0, 255).to(torch.int32)
+
+
+def _usable(scale):
+    """1 for an all-zero range; at least float32's smallest normal number, whose reciprocal is finite (a
+    range below ~7.5e-37 would make 1 / scale infinite and the zero point NaN)."""
+    return torch.where(scale == 0, torch.ones_like(scale), scale.clamp(min=torch.finfo(torch.float32).tiny))
 
 
 class QuantizedRows(NamedTuple):

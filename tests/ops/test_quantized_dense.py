@@ -141,6 +141,7 @@ def rows_with_edges(k, dtype):
     x[4] = 2.5  # constant
     x[5, 0] = 1e4  # one outlier
     x[6] = torch.arange(k) / 7  # an evenly spaced ramp
+    x[7] = torch.randn(k) * 1e-38  # a range whose step (~1e-40) has no finite reciprocal: float32's smallest normal
     return x.to(dtype)
 
 
@@ -155,6 +156,7 @@ def test_quantize_rows_gives_the_reference_bytes(k, dtype):
     want = reference.quantize_rows(x)
     assert torch.equal(q, want[0]) and torch.equal(scale, want[1]) and torch.equal(zero_point, want[2])
     assert zero_point[2] == 0 and (k == 1 or zero_point[3] == 255) and scale[1] == 1
+    assert 0 <= int(zero_point.min()) and int(zero_point.max()) <= 255 and scale[7] == torch.finfo(torch.float32).tiny
     # Dequantized, every value is within half a step of its row's original.
     x_hat = (q.float() - zero_point[:, None]) * scale[:, None]
     assert ((x_hat - x.float()).abs() <= scale[:, None] / 2 * (1 + 1e-5)).all()
