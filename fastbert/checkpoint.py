@@ -53,7 +53,10 @@ def read_state_dict(directory: str) -> dict[str, torch.Tensor]:
         path = os.path.join(directory, index)
         if os.path.isfile(path):
             with open(path, encoding="utf-8") as f:
-                shards = sorted(set(json.load(f)["weight_map"].values()))
+                weight_map = json.load(f).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{path} has no weight_map (tensor name -> shard file): not a shard index")
+            shards = sorted(set(weight_map.values()))
             state: dict[str, torch.Tensor] = {}
             for shard in shards:
                 state.update(load(os.path.join(directory, shard)))

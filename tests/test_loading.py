@@ -65,6 +65,13 @@ def test_loads_sharded_weights_only_bin(tmp_path):
     assert_same_states(fastbert.BertModel.from_pretrained(tmp_path), hf)
 
 
+def test_a_shard_index_without_its_map_is_a_clear_error(tmp_path):
+    transformers.BertConfig(**SMALL).save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    with pytest.raises(ValueError, match="model.safetensors.index.json has no weight_map"):
+        fastbert.BertModel.from_pretrained(tmp_path)
+
+
 def test_truncated_bin_is_a_clear_error(tmp_path):
     hf = transformers.BertModel(transformers.BertConfig(**SMALL))
     hf.config.save_pretrained(tmp_path)

@@ -204,6 +204,21 @@ def test_sentence_transformers_encode_unchanged(sentence_models):
     assert sim[0, 1] > sim[0, 2] + 0.3 and sim[2, 3] > sim[2, 4] + 0.2
 
 
+def test_cross_encoder_predicts_as_before(tmp_path):
+    st = pytest.importorskip("sentence_transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(**{**SMALL, "vocab_size": 30522}, num_labels=1)
+    transformers.BertForSequenceClassification(config).save_pretrained(tmp_path)
+    transformers.AutoTokenizer.from_pretrained(minilm_dir()).save_pretrained(tmp_path)
+    plain, optimized = (st.CrossEncoder(str(tmp_path), device="cpu") for _ in range(2))
+    assert fastbert.optimize(optimized) is optimized
+    pairs = [("how old are you", "I am 5 years old"), ("what", ""), ("a longer query", "Lisbon is sunny in winter " * 3)]
+    with fastbert.dispatch.record() as calls:
+        got = optimized.predict(pairs, activation_fn=torch.nn.Identity(), convert_to_tensor=True)
+    assert ran_fastbert(calls)
+    assert_matches(got, plain.predict(pairs, activation_fn=torch.nn.Identity(), convert_to_tensor=True), name="logits")
+
+
 def test_config_defaults_for_outputs_hold_as_in_transformers():
     hf = transformers.BertModel(transformers.BertConfig(**SMALL, output_hidden_states=True)).eval()
     plain = copy.deepcopy(hf)

@@ -23,7 +23,8 @@ _SERVED = {"input_ids", "attention_mask", "token_type_ids", "position_ids", "out
 
 
 def _hf_bert_of(model):
-    """The transformers BertModel inside `model` (itself, BertFor*.bert, or a SentenceTransformer's)."""
+    """The transformers BertModel inside `model` (itself, BertFor*.bert, or a SentenceTransformer's or
+    CrossEncoder's: its first module's BertModel or BertFor*)."""
     import transformers
 
     if isinstance(model, transformers.BertModel):
@@ -34,6 +35,8 @@ def _hf_bert_of(model):
     auto = getattr(first, "auto_model", None) or getattr(first, "model", None)
     if isinstance(auto, transformers.BertModel):
         return auto
+    if isinstance(auto, transformers.BertPreTrainedModel) and isinstance(getattr(auto, "bert", None), transformers.BertModel):
+        return auto.bert  # a CrossEncoder's BertForSequenceClassification
     raise TypeError(
         f"fastbert.optimize supports transformers BertModel / BertFor* and SentenceTransformer models whose "
         f"transformer is BERT; got {type(model).__name__}" + (f" wrapping {type(auto).__name__}" if auto is not None else "")
