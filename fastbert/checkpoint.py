@@ -103,7 +103,8 @@ def from_pretrained(cls, directory, dtype: torch.dtype | None = None, **kwargs):
     mapped, ignored = map_state_dict(model, state)
     expected = model.state_dict()
     tied = model.tied_weights()  # aliases follow their source; HF checkpoints leave them out
-    missing = [k for k in expected if k not in mapped and k not in tied]
+    through_alias = {source for alias, source in tied.items() if alias in mapped}  # loaded under the other name
+    missing = [k for k in expected if k not in mapped and k not in tied and k not in through_alias]
     # Checkpoints saved from heads without a pooler (e.g. BertForMaskedLM) are common: HF starts
     # that pooler fresh, and so does fastbert, saying so.
     fresh_pooler = [k for k in missing if k.removeprefix("bert.").startswith("pooler.")]

@@ -94,6 +94,20 @@ def test_bert_for_masked_lm_checkpoint_prefix_and_ignored_heads(tmp_path, caplog
     assert any("pooler is freshly initialized" in m for m in messages)  # MLM checkpoints have no pooler
 
 
+def test_a_masked_lm_bias_saved_under_its_decoder_name_loads_without_a_fresh_warning(tmp_path, caplog):
+    """Some MLM checkpoints keep only cls.predictions.decoder.bias, the alias of cls.predictions.bias:
+    it loads through the alias, and nothing is called freshly initialized."""
+    hf = transformers.BertForMaskedLM(transformers.BertConfig(**SMALL)).eval()
+    hf.config.save_pretrained(tmp_path)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "cls.predictions.bias"}
+    state.pop("cls.predictions.decoder.weight", None)  # tied to the word embeddings
+    save_file(state, tmp_path / "model.safetensors")
+    with caplog.at_level(logging.WARNING, logger="fastbert"):
+        ours = fastbert.BertForMaskedLM.from_pretrained(tmp_path)
+    assert not [r.getMessage() for r in caplog.records if "freshly" in r.getMessage()]
+    assert torch.equal(ours.cls.predictions.bias, hf.cls.predictions.bias)
+
+
 def test_sequence_classification_checkpoint_ignores_classifier(tmp_path, caplog):
     hf = hf_saved(tmp_path, transformers.BertForSequenceClassification, num_labels=3)
     with caplog.at_level(logging.WARNING, logger="fastbert"):
