@@ -398,9 +398,10 @@ class BertModel(BertPreTrainedModel):
                 continue
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            allowed = {(b, s)} | ({(1, s)} if name == "position_ids" else set())
+            allowed = {(b, s)} | ({(1, s)} if name != "attention_mask" else set())  # ids shared by the batch too
             if tuple(t.shape) not in allowed:
-                raise ValueError(f"{name} must have the shape of input_ids {(b, s)}, got {tuple(t.shape)}")
+                raise ValueError(f"{name} must have the shape of input_ids {(b, s)}"
+                                 f"{'' if name == 'attention_mask' else f' or {(1, s)}'}, got {tuple(t.shape)}")
             if t.device != input_ids.device:
                 raise ValueError(f"{name} is on {t.device} but input_ids is on {input_ids.device}")
             if name != "attention_mask" and t.dtype not in (torch.int64, torch.int32):

@@ -41,6 +41,16 @@ def test_matches_transformers(name):
     assert_same_gradients(ours, theirs)
 
 
+def test_ids_shared_by_the_batch_match_transformers():
+    """token_type_ids and position_ids of shape (1, S) stand for every row, as in transformers."""
+    ours, theirs = twins(vocab_size=211, **CONFIGS["d32-1layer-gelu"])
+    ids, mask, _ = padded_batch(211, LENGTHS)
+    shared = dict(token_type_ids=torch.randint(0, 2, (1, ids.shape[1])), position_ids=torch.randperm(ids.shape[1])[None])
+    a, b = ours(ids, attention_mask=mask, **shared), theirs(input_ids=ids, attention_mask=mask, **shared)
+    real = mask.bool()
+    assert_matches(a.last_hidden_state[real], b.last_hidden_state[real], name="last_hidden_state")
+
+
 def test_hidden_states_and_attentions_match_transformers():
     ours, theirs = twins(attn_implementation="eager", vocab_size=99, **CONFIGS["d32-3layers-tanh"])
     ids, mask, types = padded_batch(99, [7, 3])
