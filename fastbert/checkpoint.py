@@ -102,6 +102,8 @@ def from_pretrained(cls, directory, dtype: torch.dtype | None = None, **kwargs):
     state = read_state_dict(directory)
     mapped, ignored = map_state_dict(model, state)
     expected = model.state_dict()
+    if quantized:
+        mapped = quantization.loaded_form(mapped, expected)
     tied = model.tied_weights()  # aliases follow their source; HF checkpoints leave them out
     through_alias = {source for alias, source in tied.items() if alias in mapped}  # loaded under the other name
     missing = [k for k in expected if k not in mapped and k not in tied and k not in through_alias]
@@ -155,4 +157,6 @@ def save_pretrained(model: torch.nn.Module, directory) -> None:
     # them again on load).
     tied = model.tied_weights()
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if k not in tied}
+    if quantization.is_quantized(model):
+        state = quantization.saved_form(state)
     save_file(state, os.path.join(directory, SAFETENSORS), metadata={"format": "pt"})

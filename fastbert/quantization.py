@@ -166,6 +166,25 @@ def replace_linears(model: nn.Module, mode: str = "dynamic") -> list[Int8Linear]
     return made
 
 
+def saved_form(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The int8 weights flattened for the file. transformers and sentence-transformers know no int8 BERT
+    (they ignore a quantization config they do not know) and would load [out, in] int8 values as float
+    weights, giving wrong numbers silently; a flat tensor fails their shape check, so they refuse it."""
+    return {k: v.reshape(-1) if v.dtype == torch.int8 and v.dim() == 2 else v for k, v in state.items()}
+
+
+def loaded_form(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`saved_form` undone: each flat int8 weight back to its module's [out, in] (an earlier 2-D save
+    passes as it is)."""
+    def unflat(k, v):
+        want = expected.get(k)
+        if v.dtype == torch.int8 and v.dim() == 1 and want is not None and want.dim() == 2 \
+                and v.numel() == want.numel():
+            return v.view(want.shape)
+        return v
+    return {k: unflat(k, v) for k, v in state.items()}
+
+
 def _set_config(model: nn.Module, old, new) -> None:
     """`new` wherever the model and its parts (a head's encoder) hold `old`."""
     for module in model.modules():

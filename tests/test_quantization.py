@@ -150,6 +150,28 @@ def test_save_and_load_keep_the_int8_weights(tmp_path):
         assert torch.equal(model(ids).last_hidden_state, loaded(ids).last_hidden_state)
 
 
+def test_an_int8_save_is_refused_by_transformers_not_loaded_as_floats(tmp_path):
+    """transformers ignores a quantization config it does not know: int8 weights of the usual shape
+    would load as float weights holding the int8 values (wrong numbers, no error)."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file, save_file
+
+    model = fastbert.quantize(fastbert.BertModel(small_config()))
+    model.save_pretrained(tmp_path)
+    for cls in (transformers.AutoModel, transformers.BertModel):
+        with pytest.raises(Exception, match="mismatch"):
+            cls.from_pretrained(tmp_path)
+    # A save from before the weights went flat (int8 [out, in]) still loads in fastbert.
+    path = tmp_path / "model.safetensors"
+    state = load_file(path)
+    assert all(v.dim() == 1 for v in state.values() if v.dtype == torch.int8)
+    expected = model.state_dict()
+    save_file({k: v.view(expected[k].shape) if v.dtype == torch.int8 else v for k, v in state.items()}, path)
+    loaded = fastbert.BertModel.from_pretrained(tmp_path)
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+
+
 def test_quantizing_leaves_a_shared_config_and_a_failed_calibration_as_they_were(tmp_path):
     config = small_config()
     a, b = fastbert.BertModel(config), fastbert.BertModel(config)
