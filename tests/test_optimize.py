@@ -235,6 +235,29 @@ def test_config_defaults_for_outputs_hold_as_in_transformers():
     assert isinstance(hf(ids), tuple) and isinstance(plain(ids), tuple)
 
 
+def test_outputs_have_transformers_fields_and_selected_hidden_states():
+    """The same fields (a tuple of the same length) and, for output_hidden_states given as indices, the
+    same states left None."""
+    hf = transformers.BertModel(transformers.BertConfig(**SMALL)).eval()
+    plain = copy.deepcopy(hf)
+    fastbert.optimize(hf)
+    ids = torch.randint(1, 120, (2, 7))
+    for kwargs in (dict(output_attentions=True), dict(output_attentions=True, return_dict=False),
+                   dict(output_hidden_states=-2), dict(output_hidden_states=[0, -1, 7]), dict(output_hidden_states=1)):
+        with fastbert.dispatch.record() as calls:
+            a = hf(ids, **kwargs)
+        b = plain(ids, **kwargs)
+        assert any(backend != "reference" for _, backend in calls), kwargs  # fastbert's encoder ran
+        a, b = (a, b) if isinstance(b, tuple) else (a.to_tuple(), b.to_tuple())
+        assert len(a) == len(b), kwargs
+        for x, y in zip(a, b):
+            if isinstance(y, tuple) and any(t is not None for t in y) and kwargs.get("output_hidden_states"):
+                assert [t is None for t in x] == [t is None for t in y], kwargs
+                for i, (p, q) in enumerate(zip(x, y)):
+                    if q is not None:
+                        assert_matches(p, q, name=f"hidden_states[{i}] of {kwargs}")
+
+
 def test_dropout_rates_set_on_modules_later_hold():
     """Rates set on the dropout modules (as TRL's disable_dropout does) hold, not the config's."""
     hf = transformers.BertModel(transformers.BertConfig(**{**SMALL, "hidden_dropout_prob": 0.3,

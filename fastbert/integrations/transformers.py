@@ -22,6 +22,26 @@ _SERVED = {"input_ids", "attention_mask", "token_type_ids", "position_ids", "out
            "output_attentions", "return_dict"}
 
 
+def _transformers_major() -> int:
+    import transformers
+
+    return int(transformers.__version__.split(".")[0])
+
+
+# transformers 5 returns cross_attentions=() (none to record) whenever attentions are asked for; 4 gave None.
+_CROSS_WITH_SELF = _transformers_major() >= 5
+
+
+def _selected(hidden_states, flag):
+    """transformers 5 takes output_hidden_states as an index or a list of them and leaves the other
+    states None (an index out of range selects nothing)."""
+    if hidden_states is None or isinstance(flag, bool) or not isinstance(flag, (int, list, tuple)):
+        return hidden_states
+    n = len(hidden_states)
+    keep = {i % n for i in ([flag] if isinstance(flag, int) else flag) if -n <= i < n}
+    return tuple(h if i in keep else None for i, h in enumerate(hidden_states))
+
+
 def _hf_bert_of(model):
     """The transformers BertModel inside `model` (itself, BertFor*.bert, or a SentenceTransformer's or
     CrossEncoder's: its first module's BertModel or BertFor*)."""
@@ -174,9 +194,12 @@ class OptimizedForward:
             return type(hf_bert).forward(hf_bert, input_ids, attention_mask, token_type_ids, position_ids, *args, **kwargs)
         config = hf_bert.config
 
-        def setting(name, default):  # the call's, else the config's (as transformers' forward decides)
+        def raw_setting(name, default):  # the call's, else the config's (as transformers' forward decides)
             value = kwargs.get(name)
-            return bool(getattr(config, name, default) if value is None else value)
+            return getattr(config, name, default) if value is None else value
+
+        def setting(name, default):
+            return bool(raw_setting(name, default))
 
         ours.train(hf_bert.training)
         padded = id(hf_bert) in getattr(_reading_pads, "models", ())
@@ -188,7 +211,8 @@ class OptimizedForward:
                    output_attentions=setting("output_attentions", False), allow_unpadding=not padded)
         result = BaseModelOutputWithPoolingAndCrossAttentions(
             last_hidden_state=out.last_hidden_state, pooler_output=out.pooler_output,
-            hidden_states=out.hidden_states, attentions=out.attentions)
+            hidden_states=_selected(out.hidden_states, raw_setting("output_hidden_states", False)),
+            attentions=out.attentions, cross_attentions=() if out.attentions is not None and _CROSS_WITH_SELF else None)
         return result if setting("return_dict", True) else result.to_tuple()
 
 
