@@ -53,6 +53,22 @@ def test_import_and_info_work_without_the_extension():
     assert "[('bias_gelu', 'reference')]" in out.stdout
 
 
+def test_fastbert_runs_without_transformers():
+    """transformers is an optional extra ("hf"): importing fastbert and running its own model need none of it."""
+    code = (
+        "import sys\n"
+        "sys.modules['transformers'] = sys.modules['sentence_transformers'] = None  # import raises\n"
+        "import torch, fastbert\n"
+        "config = fastbert.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,\n"
+        "                             intermediate_size=64)\n"
+        "out = fastbert.BertModel(config).eval()(torch.randint(1, 50, (2, 5))).last_hidden_state\n"
+        "print(tuple(out.shape))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "(2, 5, 32)" in out.stdout
+
+
 def test_info_command():
     out = subprocess.run([sys.executable, "-m", "fastbert", "info"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -22,14 +22,12 @@ _SERVED = {"input_ids", "attention_mask", "token_type_ids", "position_ids", "out
            "output_attentions", "return_dict"}
 
 
-def _transformers_major() -> int:
+@functools.cache
+def _cross_with_self() -> bool:
+    """transformers 5 returns cross_attentions=() (none to record) whenever attentions are asked for; 4 gave None."""
     import transformers
 
-    return int(transformers.__version__.split(".")[0])
-
-
-# transformers 5 returns cross_attentions=() (none to record) whenever attentions are asked for; 4 gave None.
-_CROSS_WITH_SELF = _transformers_major() >= 5
+    return int(transformers.__version__.split(".")[0]) >= 5
 
 
 def _selected(hidden_states, flag):
@@ -212,7 +210,7 @@ class OptimizedForward:
         result = BaseModelOutputWithPoolingAndCrossAttentions(
             last_hidden_state=out.last_hidden_state, pooler_output=out.pooler_output,
             hidden_states=_selected(out.hidden_states, raw_setting("output_hidden_states", False)),
-            attentions=out.attentions, cross_attentions=() if out.attentions is not None and _CROSS_WITH_SELF else None)
+            attentions=out.attentions, cross_attentions=() if out.attentions is not None and _cross_with_self() else None)
         return result if setting("return_dict", True) else result.to_tuple()
 
 
