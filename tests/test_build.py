@@ -32,6 +32,13 @@ def test_extension_built_when_required():
         assert _C.AVX512_BF16 == ("avx512_bf16" in flags)
 
 
+def python_output(code: str) -> str:
+    """stdout of `code` run in a fresh interpreter, which must succeed."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
 def test_import_and_info_work_without_the_extension():
     # A finder that refuses fastbert._C simulates a failed or skipped build.
     code = (
@@ -47,10 +54,9 @@ def test_import_and_info_work_without_the_extension():
         "with fastbert.dispatch.record() as calls: fastbert.ops.bias_gelu(x, b)\n"
         "print(calls)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "fastbert._C was not built: ImportError: simulated missing build" in out.stdout
-    assert "[('bias_gelu', 'reference')]" in out.stdout
+    out = python_output(code)
+    assert "fastbert._C was not built: ImportError: simulated missing build" in out
+    assert "[('bias_gelu', 'reference')]" in out
 
 
 def test_fastbert_runs_without_transformers():
@@ -64,9 +70,7 @@ def test_fastbert_runs_without_transformers():
         "out = fastbert.BertModel(config).eval()(torch.randint(1, 50, (2, 5))).last_hidden_state\n"
         "print(tuple(out.shape))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "(2, 5, 32)" in out.stdout
+    assert "(2, 5, 32)" in python_output(code)
 
 
 def test_info_command():
