@@ -88,6 +88,11 @@ def test_losses_that_read_pad_positions_equal_transformers(head, labels):
     a.loss.backward()
     b.loss.backward()
     assert_same_gradients(hf, plain)
+    hf.bert = copy.deepcopy(hf.bert)  # an optimized encoder put in after optimize(): its pads are read too
+    with fastbert.dispatch.record() as calls:
+        again = hf(ids, mask, **given)
+    assert ran_fastbert(calls)
+    assert_matches(again.loss, b.loss, name="loss with the encoder replaced")
 
 
 def test_optimize_follows_device_dtype_and_train_mode():

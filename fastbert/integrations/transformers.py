@@ -227,8 +227,8 @@ class HeadForward:
     zero (padding-free); a loss that reads them runs the pads through it, as transformers does: the span
     loss of question answering (a softmax over every position), labels scored at pads (not -100)."""
 
-    def __init__(self, model, hf_bert):
-        self.model, self.hf_bert = model, hf_bert
+    def __init__(self, model):
+        self.model = model  # its encoder is read at each call: model.bert may be replaced after optimize()
 
     @property
     def __signature__(self):  # the head's own (transformers' Trainer keeps the dataset columns it names)
@@ -238,14 +238,14 @@ class HeadForward:
         model = self.model
         given = _signature(type(model)).bind_partial(model, *args, **kwargs).arguments
         reads_pads = given.get("start_positions") is not None or scores_pads(given.get("labels"), given.get("attention_mask"))
-        models = _reading_pads.__dict__.setdefault("models", set())
-        if not reads_pads or id(self.hf_bert) in models:
+        models, encoder = _reading_pads.__dict__.setdefault("models", set()), id(model.bert)
+        if not reads_pads or encoder in models:
             return type(model).forward(model, *args, **kwargs)
-        models.add(id(self.hf_bert))
+        models.add(encoder)
         try:
             return type(model).forward(model, *args, **kwargs)
         finally:
-            models.discard(id(self.hf_bert))
+            models.discard(encoder)
 
 
 def optimize(model, quantize: str | None = None):
@@ -273,7 +273,7 @@ def optimize(model, quantize: str | None = None):
                                 _fastbert_quantized=bool(quantize))
         hf_bert.forward = OptimizedForward(hf_bert)
     if model is not hf_bert and getattr(model, "bert", None) is hf_bert and not isinstance(model.forward, HeadForward):
-        model.forward = HeadForward(model, hf_bert)
+        model.forward = HeadForward(model)
     return model
 
 
