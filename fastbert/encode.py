@@ -4,6 +4,7 @@ short texts are wide and long ones narrow, and the model (padding-free underneat
 Embeddings come back in input order."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import json
@@ -198,6 +199,33 @@ def tokenize(tokenizer, texts: list[str], max_length: int, truncate: bool, first
     return ids
 
 
+def lowercasing(tokenizer):
+    """The tokenizer lowercasing its texts as sentence-transformers' do_lower_case makes it: a Lowercase step
+    first in the normalizer (a copy; the caller's is untouched). Python's str.lower() would differ: it turns
+    "[SEP]" in a text into "[sep]" (the tokenizer matches special tokens before normalizing) and a final
+    sigma into "ς" (the normalizer lowercases character by character: "σ")."""
+    from tokenizers import normalizers
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ValueError(f"do_lower_case needs a fast (tokenizers) tokenizer, got {type(tokenizer).__name__}")
+    steps = backend.normalizer
+    if steps is not None and any(isinstance(n, normalizers.Lowercase)
+                                 for n in (steps if isinstance(steps, normalizers.Sequence) else [steps])):
+        return tokenizer
+    tokenizer = copy.deepcopy(tokenizer)
+    rest = [] if steps is None else list(steps) if isinstance(steps, normalizers.Sequence) else [steps]
+    tokenizer.backend_tokenizer.normalizer = normalizers.Sequence([normalizers.Lowercase(), *rest])
+    return tokenizer
+
+
+def prompt_length(tokenizer, prompt: str, max_length: int) -> int:
+    """The tokens sentence-transformers leaves out of the pooling with include_prompt False: the prompt's,
+    with [CLS], truncated as a text is, without a closing special token ([SEP])."""
+    ids = tokenize(tokenizer, [prompt], max_length, truncate=True)[0]
+    return len(ids) - (ids[-1] in tokenizer.all_special_ids)
+
+
 def _pool(hidden, mask, recipe: Recipe, skipped: int):
     """sentence-transformers' pooling of right-padded token states (in float32: a bf16 model's states,
     added up in bf16, would lose digits); the first `skipped` tokens (a prompt's) left out."""
@@ -239,8 +267,9 @@ def encode_windows(model, texts: Iterable[str], tokenizer, recipe: Recipe = Reci
         max_length = default_max_length(model, tokenizer)
     elif max_length > limit:
         raise ValueError(f"max_length={max_length} is over the model's {limit} positions (max_position_embeddings)")
-    # sentence-transformers leaves [CLS] and the prompt's tokens out of the pooling with include_prompt False
-    skipped = 0 if recipe.include_prompt or not recipe.prompt else len(tokenizer(recipe.prompt)["input_ids"]) - 1
+    if recipe.lowercase:
+        tokenizer = lowercasing(tokenizer)
+    skipped = 0 if recipe.include_prompt or not recipe.prompt else prompt_length(tokenizer, recipe.prompt, max_length)
     device = next(model.parameters()).device
     # Embeddings are an inference: no dropout, whatever mode the model came in (restored after; nn.Module's
     # own switch, which keeps what the model prepared: each encode call would pack its weights again).
@@ -263,8 +292,8 @@ def encode_windows(model, texts: Iterable[str], tokenizer, recipe: Recipe = Reci
                         t.encode("utf-8")
                     except UnicodeEncodeError as e:  # a lone surrogate (from JSON's "\ud800"): no tokenizer takes it
                         raise ValueError(f"text {start + k} is not valid Unicode ({e.reason} at character {e.start})") from None
-            if recipe.prompt or recipe.lowercase:
-                chunk = [(recipe.prompt + t).lower() if recipe.lowercase else recipe.prompt + t for t in chunk]
+            if recipe.prompt:
+                chunk = [recipe.prompt + t for t in chunk]
             ids = tokenize(tokenizer, chunk, max_length, truncate, start)
             results: list = [None] * len(chunk)
             for batch in token_budget_batches([len(r) for r in ids], budget):

@@ -189,7 +189,7 @@ def tiny_bert_dir(tmp_path_factory):
 
 
 def _sentence_transformers_dir(base, path, pooling, normalize=True, prompt=None, include_prompt=True, lower=False,
-                               dense=False):
+                               dense=False, max_seq_length=None):
     st = pytest.importorskip("sentence_transformers")
     from sentence_transformers import models
 
@@ -198,6 +198,8 @@ def _sentence_transformers_dir(base, path, pooling, normalize=True, prompt=None,
     modules += [models.Dense(64, 32)] if dense else []
     modules += [models.Normalize()] if normalize else []
     model = st.SentenceTransformer(modules=modules, device="cpu")
+    if max_seq_length:
+        model.max_seq_length = max_seq_length
     if prompt:
         model.prompts, model.default_prompt_name = {"query": prompt}, "query"
     model.save(str(path))
@@ -211,7 +213,9 @@ def _sentence_transformers_dir(base, path, pooling, normalize=True, prompt=None,
     ("mean", {}), ("mean", dict(normalize=False)), ("cls", dict(normalize=False)), ("max", {}),
     ("mean_sqrt_len_tokens", dict(normalize=False)), ("weightedmean", {}), ("lasttoken", {}),
     ("mean", dict(prompt="query: ")), ("mean", dict(prompt="query: ", include_prompt=False)),
-    ("cls", dict(prompt="query: ", include_prompt=False)), ("mean", dict(lower=True))], ids=str)
+    ("cls", dict(prompt="query: ", include_prompt=False)), ("mean", dict(lower=True)),
+    ("mean", dict(prompt="Query: ", include_prompt=False, lower=True)),
+    ("mean", dict(prompt="a prompt longer than the texts may be " * 3, include_prompt=False, max_seq_length=12))], ids=str)
 def test_a_sentence_transformers_directory_is_run_as_sentence_transformers_runs_it(tmp_path, tiny_bert_dir, pooling,
                                                                                   options):
     """Its pooling, Normalize (or none), default prompt (its tokens pooled or not) and do_lower_case, read
@@ -225,7 +229,10 @@ def test_a_sentence_transformers_directory_is_run_as_sentence_transformers_runs_
         base = shutil.copytree(tiny_bert_dir, tmp_path / "cased")
         transformers.AutoTokenizer.from_pretrained(tiny_bert_dir, do_lower_case=False).save_pretrained(base)
     theirs = _sentence_transformers_dir(str(base), tmp_path / "st", pooling, **options)
-    texts = ["The Cat sits on the mat.", "", "A longer sentence about the weather in Lisbon and Porto.", "Hi"]
+    # "[SEP]" in a text is the special token (lowercasing must not make it "[sep]"); the tokenizer lowercases
+    # a final sigma as Σ -> σ, where Python's str.lower() gives ς
+    texts = ["The Cat sits on the mat.", "", "A longer sentence about the weather in Lisbon and Porto.", "Hi",
+             "Before [SEP] after", "ΟΔΟΣ ΣΟΦΟΣ"]
     want = theirs.encode(texts, convert_to_tensor=True)
     assert_matches(fastbert.encode(str(tmp_path / "st"), texts), want, name="embeddings")
 
