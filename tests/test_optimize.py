@@ -382,3 +382,97 @@ def test_a_4d_mask_goes_to_transformers():
         a = hf(ids, attention_mask=mask).last_hidden_state
     assert not ran_fastbert(calls)
     assert_matches(a, plain(ids, attention_mask=mask).last_hidden_state, name="4-D mask")
+
+
+def _runs_as_transformers(hf, plain, change, fastbert_runs=False):
+    """Both models changed by `change(model)`: the optimized one gives transformers' numbers, on fastbert's
+    kernels (fastbert_runs) or, where fastbert would skip what the change does, on transformers' forward
+    with a warning that names the change."""
+    for model in (hf, plain):
+        change(model)
+    ids, mask, _ = padded_batch(120, [9, 4, 1])
+    with fastbert.dispatch.record() as calls, __import__("warnings").catch_warnings(record=True) as warned:
+        __import__("warnings").simplefilter("always")
+        a = hf(ids, attention_mask=mask).last_hidden_state
+    assert ran_fastbert(calls) == fastbert_runs
+    assert bool(warned) != fastbert_runs, [str(w.message) for w in warned]
+    real = mask.bool()
+    assert_matches(a[real], plain(ids, attention_mask=mask).last_hidden_state[real], name="after the change")
+    return [str(w.message) for w in warned]
+
+
+def test_hooks_on_submodules_fire_as_in_transformers():
+    """fastbert's encoder calls transformers' weights, not its modules: while a submodule has a hook (or a
+    forward of its own, as accelerate's offloading sets), transformers' forward runs the model."""
+    hf = transformers.BertModel(transformers.BertConfig(**SMALL)).eval()
+    plain = copy.deepcopy(hf)
+    fastbert.optimize(hf)
+    seen = {id(hf): [], id(plain): []}
+    handles = []
+
+    def hook(model):
+        def scaled(module, args, output):  # records, and changes the output
+            seen[id(model)].append(output.sum().item())
+            return output * 1.5
+        handles.append(model.encoder.layer[0].output.register_forward_hook(scaled))
+
+    messages = _runs_as_transformers(hf, plain, hook)
+    assert "encoder.layer.0.output has hooks" in messages[0]
+    assert len(seen[id(hf)]) == 1 and seen[id(hf)] == pytest.approx(seen[id(plain)], rel=1e-5)
+    for handle in handles:
+        handle.remove()
+    _runs_as_transformers(hf, plain, lambda model: None, fastbert_runs=True)  # hooks removed: fastbert again
+
+    def pre_hook(model):
+        handles.append(model.embeddings.LayerNorm.register_forward_pre_hook(lambda m, args: (args[0] * 2,)))
+
+    assert "embeddings.LayerNorm has hooks" in _runs_as_transformers(hf, plain, pre_hook)[0]
+    for handle in handles:
+        handle.remove()
+
+    def own_forward(model):
+        dense = model.encoder.layer[1].output.dense
+        dense.forward = lambda x: torch.nn.functional.linear(x, dense.weight, dense.bias) * 0.5
+
+    assert "encoder.layer.1.output.dense has a forward of its own" in _runs_as_transformers(hf, plain, own_forward)[0]
+    for model in (hf, plain):
+        del model.encoder.layer[1].output.dense.forward
+    # A copy's modules are its own: a hook on the copy's counts, and only there.
+    hf, plain = copy.deepcopy(hf), copy.deepcopy(plain)
+    _runs_as_transformers(hf, plain, lambda model: None, fastbert_runs=True)
+    assert "encoder.layer.1.attention has hooks" in _runs_as_transformers(
+        hf, plain, lambda m: handles.append(m.encoder.layer[1].attention.register_forward_hook(lambda *_: None)))[0]
+    for handle in handles:
+        handle.remove()
+    handles.append(torch.nn.modules.module.register_module_forward_hook(lambda *_: None))
+    try:
+        assert "registered globally" in _runs_as_transformers(hf, plain, lambda model: None)[0]
+    finally:
+        handles[-1].remove()
+
+
+def test_what_transformers_reads_from_its_modules_holds_not_the_config():
+    """transformers' layers keep the activation and the head count they were built with (a config edited
+    later changes neither), and read config.is_decoder at each forward."""
+    hf = transformers.BertModel(transformers.BertConfig(**SMALL)).eval()
+    plain = copy.deepcopy(hf)
+    fastbert.optimize(hf)
+    _runs_as_transformers(hf, plain, lambda m: setattr(m.config, "num_attention_heads", 4), fastbert_runs=True)
+    _runs_as_transformers(hf, plain, lambda m: setattr(m.config, "hidden_act", "gelu_new"), fastbert_runs=True)
+    hf.resize_token_embeddings(120)  # rebuilt on a config that says 4 heads and gelu_new: the modules hold 2 and gelu
+    _runs_as_transformers(hf, plain, lambda m: None, fastbert_runs=True)
+
+    def gelu_tanh(model):
+        for layer in model.encoder.layer:
+            layer.intermediate.intermediate_act_fn = transformers.activations.NewGELUActivation()
+
+    _runs_as_transformers(hf, plain, gelu_tanh, fastbert_runs=True)
+
+    def relu(model):
+        model.encoder.layer[1].intermediate.intermediate_act_fn = torch.nn.ReLU()
+
+    assert "encoder.layer.1.intermediate.intermediate_act_fn is a ReLU" in _runs_as_transformers(hf, plain, relu)[0]
+    for model in (hf, plain):
+        gelu_tanh(model)
+    assert "is_decoder" in _runs_as_transformers(hf, plain, lambda m: setattr(m.config, "is_decoder", True))[0]
+    _runs_as_transformers(hf, plain, lambda m: setattr(m.config, "is_decoder", False), fastbert_runs=True)

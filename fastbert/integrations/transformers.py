@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
+import operator
 import threading
 import warnings
+import weakref
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
-from fastbert.config import BertConfig
+from fastbert.config import HIDDEN_ACTS, BertConfig
 from fastbert.heads import scores_pads
 from fastbert.model import BertModel, BertPreTrainedModel
 from fastbert.quantization import quantize as fastbert_quantize
@@ -71,10 +75,40 @@ def _plain(module) -> bool:
     return kind is not None and type(module).forward is kind.forward
 
 
+@functools.cache
+def _activation_names() -> dict:
+    """transformers' activation module type -> the hidden_act name fastbert computes it as."""
+    from transformers.activations import ACT2FN
+
+    return {type(ACT2FN[name]): name for name in HIDDEN_ACTS}
+
+
+def _built_with(hf_bert) -> dict:
+    """What transformers' layers were built with and keep, whatever the config says now: as many layers as
+    the ModuleList holds, their head count and their activation module (a config edited later changes
+    neither). A layer whose activation fastbert does not compute (swapped for a ReLU) raises."""
+    layers = hf_bert.encoder.layer
+    for index, layer in enumerate(layers):
+        activation = type(layer.intermediate.intermediate_act_fn)
+        if activation not in _activation_names():
+            raise TypeError(f"fastbert.optimize: encoder.layer.{index}.intermediate.intermediate_act_fn is a "
+                            f"{activation.__name__}, which fastbert's kernels do not compute (they compute "
+                            f"{', '.join(HIDDEN_ACTS)})")
+    found = {"num_hidden_layers": len(layers)}
+    for name, values in (("num_attention_heads", {layer.attention.self.num_attention_heads for layer in layers}),
+                         ("hidden_act", {_activation_names()[type(layer.intermediate.intermediate_act_fn)]
+                                         for layer in layers})):
+        if len(values) > 1:
+            raise TypeError(f"fastbert.optimize: the layers differ in {name} ({', '.join(map(str, sorted(values)))})")
+        found.update({name: values.pop()} if values else {})
+    if hf_bert.pooler is not None and type(hf_bert.pooler.activation) is not torch.nn.Tanh:
+        raise TypeError(f"fastbert.optimize: pooler.activation is a {type(hf_bert.pooler.activation).__name__}, not Tanh")
+    return found
+
+
 def _encoder_sharing(hf_bert):
     """A fastbert BertModel whose leaf modules are `hf_bert`'s own: the same parameters, not copies."""
-    # As many layers as transformers' forward runs: the modules there, whatever the config says.
-    config = BertConfig.from_dict({**hf_bert.config.to_dict(), "num_hidden_layers": len(hf_bert.encoder.layer)})
+    config = BertConfig.from_dict({**hf_bert.config.to_dict(), **_built_with(hf_bert)})
     with torch.device("meta"):  # built without allocating: every leaf is replaced below
         ours = BertModel(config, add_pooling_layer=hf_bert.pooler is not None)
     for name, module in list(ours.named_modules()):
@@ -104,25 +138,30 @@ def _encoder_for(hf_bert, quantized: bool):
     return ours
 
 
+def _settings(config) -> tuple:
+    """What transformers' forward reads from the config at each call: the table sizes (resize_token_embeddings
+    changes a table in place, and the config) and is_decoder (a causal mask)."""
+    return config.vocab_size, config.type_vocab_size, config.max_position_embeddings, config.is_decoder
+
+
 def _tree(hf_bert, quantized: bool) -> tuple:
     """What the encoder was built on: each submodule's children (parent, its (name, child) pairs) and the
-    table sizes (resize_token_embeddings changes a table in place, and the config); with int8 copies, also
-    the linears' parameters with their storage and version (the copies are made from their values)."""
+    config's _settings; with int8 copies, also the linears' parameters with their storage and version (the
+    copies are made from their values)."""
     config = hf_bert.config
     parents = tuple((parent, dict(parent._modules)) for parent in hf_bert.modules())
     linears = (m for m in hf_bert.encoder.modules() if isinstance(m, torch.nn.Linear)) if quantized else ()
     weights = tuple((m, name, p, p.data_ptr(), p._version) for m in linears for name, p in m._parameters.items()
                     if p is not None)
-    return parents, (config.vocab_size, config.type_vocab_size, config.max_position_embeddings), weights
+    return parents, _settings(config), weights
 
 
 def _unchanged(hf_bert, tree: tuple) -> bool:
     """`hf_bert` is still what `tree` recorded. A module added anywhere is a child more of a recorded
     parent, so comparing the recorded parents' children finds it (dicts of modules compare by identity,
     in C: ~20 us a forward for BERT-base's 228 modules)."""
-    parents, sizes, weights = tree
-    config = hf_bert.config
-    return (sizes == (config.vocab_size, config.type_vocab_size, config.max_position_embeddings)
+    parents, settings, weights = tree
+    return (settings == _settings(hf_bert.config)
             and all(parent._modules == children for parent, children in parents)
             and all(m._parameters.get(name) is p and p.data_ptr() == ptr and p._version == version
                     for m, name, p, ptr, version in weights))
@@ -146,6 +185,46 @@ def _encoder_for_now(hf_bert):
     return ours
 
 
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+# model -> [its tree, its submodules' __dict__s, RemovableHandle.next_id when it last had no hooks]: every hook
+# registered anywhere takes a handle, so an unchanged count means none since. Kept outside the model (never
+# pickled or copied with it): a copy's modules are its own.
+_WATCHED = weakref.WeakKeyDictionary()
+
+
+def _needless(hook) -> bool:
+    """A hook fastbert's encoder does without: gradient_checkpointing_enable()'s on the input embeddings,
+    whose output it makes require grad so that reentrant checkpointing of frozen layers passes gradients
+    back (fastbert's checkpointing is not reentrant)."""
+    return getattr(hook, "__qualname__", "").endswith("enable_input_require_grads.<locals>.make_inputs_require_grads")
+
+
+def _skipped(hf_bert) -> str | None:
+    """What fastbert's encoder would skip, calling transformers' weights rather than its modules: a forward
+    set on a submodule's instance (accelerate's offloading sets one), hooks on a submodule (the model's
+    own run: its __call__ is transformers'), hooks registered for every module; None if nothing. ~5 us a
+    forward for BERT-base's 227 submodules (in C: map over their __dict__s)."""
+    tree = hf_bert.__dict__["_fastbert_tree"]
+    watched = _WATCHED.get(hf_bert)
+    if watched is None or watched[0] is not tree:
+        watched = _WATCHED[hf_bert] = [tree, [vars(parent) for parent, _ in tree[0][1:]], None]
+    states, count = watched[1], RemovableHandle.next_id
+    if any(map(operator.contains, states, itertools.repeat("forward"))):
+        return next(f"{name} has a forward of its own" for name, m in hf_bert.named_modules()
+                    if m is not hf_bert and "forward" in m.__dict__)
+    if watched[2] == count:
+        return None
+    if any(map(any, map(operator.itemgetter(*_HOOKS), states))):
+        hooked = next((name for name, m in hf_bert.named_modules() if m is not hf_bert and not all(
+            map(_needless, itertools.chain.from_iterable(getattr(m, hooks).values() for hooks in _HOOKS)))), None)
+        if hooked is not None:
+            return f"{hooked} has hooks"
+    if any(getattr(torch.nn.modules.module, "_global" + hooks) for hooks in _HOOKS):
+        return "module hooks are registered globally (torch.nn.modules.module.register_module_forward_hook, ...)"
+    watched[2] = count
+    return None
+
+
 def clear_prepared_weights(model: torch.nn.Module) -> None:
     """Forget what fastbert made from the weights of every fastbert model inside `model` (prepared forms,
     plans, int8 copies): after writing parameters through `.data` or by collectives, which no version counter
@@ -155,7 +234,7 @@ def clear_prepared_weights(model: torch.nn.Module) -> None:
         if isinstance(module, BertPreTrainedModel):
             module.clear_prepared_weights()
         elif "_fastbert_tree" in module.__dict__:
-            module.__dict__["_fastbert_tree"] = ((), None, ())  # no model's sizes are None: the next call rebuilds
+            module.__dict__["_fastbert_tree"] = ((), None, ())  # no model's settings are None: the next call rebuilds
 
 
 def checkpointing(hf_bert) -> bool:
@@ -188,6 +267,10 @@ class OptimizedForward:
         ours = None
         if input_ids is not None and not args and not passed - _SERVED and (attention_mask is None or attention_mask.dim() == 2):
             ours = _encoder_for_now(hf_bert)
+        if ours is not None and (skipped := _skipped(hf_bert)):
+            warnings.warn(f"fastbert.optimize: {skipped}, which fastbert's kernels would skip; transformers' own "
+                          "forward runs this model while it has", stacklevel=2)
+            ours = None
         if ours is None:
             return type(hf_bert).forward(hf_bert, input_ids, attention_mask, token_type_ids, position_ids, *args, **kwargs)
         config = hf_bert.config
