@@ -406,22 +406,28 @@ def test_a_model_saved_again_in_place_is_not_resumed_into(tmp_path, capfd):
     assert np.array_equal(np.load(out), np.load(whole))
 
 
-def test_an_output_inside_the_model_directory_resumes(tmp_path, tiny_bert_dir, monkeypatch):
-    """The run's own shards are not the model's files: a run writing into the model's directory resumes."""
+@pytest.mark.parametrize("linked", [None, "model", "output", "resumed"])
+def test_an_output_inside_the_model_directory_resumes(tmp_path, tiny_bert_dir, monkeypatch, linked):
+    """The run's own shards are not the model's files: a run writing into the model's directory resumes,
+    also where the model or the output is named through a symlink to the directory (linked), or the
+    resumed run names the model through one."""
     import shutil
 
     from fastbert.apps import encode as command
 
     model = tmp_path / "model"
     shutil.copytree(tiny_bert_dir, model)
+    (tmp_path / "link").symlink_to(model, target_is_directory=True)
     texts = _txt(tmp_path, SENTENCES[:6])
-    out = model / "out.npy"
+    via = lambda part: str((tmp_path / "link") if linked == part else model)  # noqa: E731
+    out = os.path.join(via("output"), "out.npy")
     stopped = lambda *args: (_ for _ in ()).throw(KeyboardInterrupt)  # noqa: E731  (stops after the last shard)
     monkeypatch.setattr(command, "_assemble", stopped)
     with pytest.raises(KeyboardInterrupt):
-        command.run(str(model), str(texts), str(out), shard_texts=2, progress=False)
+        command.run(via("model"), str(texts), out, shard_texts=2, progress=False)
     monkeypatch.undo()
-    command.run(str(model), str(texts), str(out), shard_texts=2, progress=False)
+    command.run(via("model") if linked != "resumed" else str(tmp_path / "link"), str(texts), out, shard_texts=2,
+                progress=False)
     assert_matches(torch.from_numpy(np.load(out)), fastbert.encode(str(model), SENTENCES[:6]), name="embeddings")
 
 

@@ -86,12 +86,13 @@ def _line_texts(path, field) -> Iterator[str]:
 
 def _files(directory: str, output: str) -> dict:
     """{path: [bytes, mtime_ns]} of the files under `directory` (hidden ones and this run's output aside): a
-    model saved again in place, under the same name, is another model."""
-    files, own = {}, {os.path.abspath(p) for p in (output, output + ".tmp", output + ".parts")}
+    model saved again in place, under the same name, is another model. Paths compare resolved: the model or
+    the output may be named through a symlink."""
+    files, own = {}, {os.path.realpath(p) for p in (output, output + ".tmp", output + ".parts")}
     for root, dirs, names in os.walk(directory):
-        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and os.path.abspath(os.path.join(root, d)) not in own)
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and os.path.realpath(os.path.join(root, d)) not in own)
         for name in sorted(n for n in names if not n.startswith(".")):
-            if os.path.abspath(os.path.join(root, name)) in own:
+            if os.path.realpath(os.path.join(root, name)) in own:
                 continue
             stat = os.stat(os.path.join(root, name))
             files[os.path.relpath(os.path.join(root, name), directory)] = [stat.st_size, stat.st_mtime_ns]
@@ -100,8 +101,8 @@ def _files(directory: str, output: str) -> dict:
 
 def _manifest(args, input_path, model_dir, output) -> dict:
     stat = os.stat(input_path)
-    return {"input": os.path.abspath(input_path), "input_bytes": stat.st_size, "input_mtime_ns": stat.st_mtime_ns,
-            "model": os.path.abspath(model_dir), "model_files": _files(model_dir, output), "dtype": args["dtype"],
+    return {"input": os.path.realpath(input_path), "input_bytes": stat.st_size, "input_mtime_ns": stat.st_mtime_ns,
+            "model": os.path.realpath(model_dir), "model_files": _files(model_dir, output), "dtype": args["dtype"],
             "recipe": args["recipe"], "max_length": args["max_length"],
             "truncate": args["truncate"], "batch_tokens": args["batch_tokens"], "shard_texts": args["shard_texts"],
             "field": args["field"], "column": args["column"]}
