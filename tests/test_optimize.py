@@ -451,6 +451,26 @@ def test_hooks_on_submodules_fire_as_in_transformers():
         handles[-1].remove()
 
 
+def test_transformers_own_output_capturing_hooks_leave_fastbert_running():
+    """transformers 5 leaves (inert) output-capturing hooks on its layers after its forward has recorded
+    hidden states or attentions once: before optimize(), or on a call it served after."""
+    hf = transformers.BertModel(transformers.BertConfig(**SMALL)).eval()
+    plain = copy.deepcopy(hf)
+    ids = torch.randint(1, 120, (2, 7))
+    hf(ids, output_hidden_states=True)
+    fastbert.optimize(hf)
+    _runs_as_transformers(hf, plain, lambda model: None, fastbert_runs=True)
+    hf(inputs_embeds=hf.embeddings.word_embeddings(ids), output_attentions=True)  # transformers' forward serves it
+    assert any(layer._forward_hooks for layer in hf.encoder.layer)
+    _runs_as_transformers(hf, plain, lambda model: None, fastbert_runs=True)
+    with fastbert.dispatch.record() as calls:
+        a = hf(ids, output_hidden_states=True, output_attentions=True)
+    b = plain(ids, output_hidden_states=True, output_attentions=True)
+    assert any(backend != "reference" for _, backend in calls)  # (the probabilities come from the reference attention)
+    for k, (x, y) in enumerate(zip(a.hidden_states + a.attentions, b.hidden_states + b.attentions)):
+        assert_matches(x, y, name=f"hidden state / attention {k}")
+
+
 def test_what_transformers_reads_from_its_modules_holds_not_the_config():
     """transformers' layers keep the activation and the head count they were built with (a config edited
     later changes neither), and read config.is_decoder at each forward."""

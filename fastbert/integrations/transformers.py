@@ -193,10 +193,15 @@ _WATCHED = weakref.WeakKeyDictionary()
 
 
 def _needless(hook) -> bool:
-    """A hook fastbert's encoder does without: gradient_checkpointing_enable()'s on the input embeddings,
-    whose output it makes require grad so that reentrant checkpointing of frozen layers passes gradients
-    back (fastbert's checkpointing is not reentrant)."""
-    return getattr(hook, "__qualname__", "").endswith("enable_input_require_grads.<locals>.make_inputs_require_grads")
+    """A hook of transformers' own that fastbert's encoder does without: gradient_checkpointing_enable()'s
+    on the input embeddings, whose output it makes require grad so that reentrant checkpointing of frozen
+    layers passes gradients back (fastbert's checkpointing is not reentrant); the output-capturing hooks
+    transformers 5 leaves on its layers after a forward with output_hidden_states / output_attentions, inert
+    outside that forward's own recording (fastbert returns those outputs itself)."""
+    name = getattr(hook, "__qualname__", "")
+    return (name.endswith("enable_input_require_grads.<locals>.make_inputs_require_grads")
+            or (getattr(hook, "__module__", "") == "transformers.utils.output_capturing"
+                and getattr(hook, "__name__", "") == "output_capturing_hook"))
 
 
 def _skipped(hf_bert) -> str | None:
