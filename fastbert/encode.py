@@ -82,9 +82,13 @@ class TextTooLong(ValueError):
         self.index, self.tokens, self.max_length = index, tokens, max_length
 
 
-def load(directory, dtype: str = "fp32"):
-    """(model, tokenizer) from an HF BERT directory; dtype "fp32", "bf16" or "int8" (fastbert.quantize, the
-    activations between int8 GEMMs in quantization.fast_activation_dtype())."""
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt")
+
+
+def load(directory, dtype: str = "fp32", tokenizer=None):
+    """(model, tokenizer) from an HF BERT directory (the tokenizer as given, else the directory's); dtype
+    "fp32", "bf16" or "int8" (fastbert.quantize, the activations between int8 GEMMs in
+    quantization.fast_activation_dtype())."""
     import transformers
 
     from fastbert import quantization
@@ -92,6 +96,11 @@ def load(directory, dtype: str = "fp32"):
 
     if dtype not in ("fp32", "bf16", "int8"):
         raise ValueError(f"dtype must be fp32, bf16 or int8, got {dtype!r}")
+    # Without its files transformers makes a tokenizer of 5 special tokens from config.json alone (every
+    # word [UNK]: embeddings of nothing, and no error).
+    if tokenizer is None and os.path.isdir(directory) and not any(os.path.exists(os.path.join(directory, name)) for name in TOKENIZER_FILES):
+        raise ValueError(f"{directory} has no tokenizer ({' or '.join(TOKENIZER_FILES)}): save the model's tokenizer "
+                         "there (tokenizer.save_pretrained(directory)) or pass tokenizer=")
     model = BertModel.from_pretrained(directory)
     saved_int8 = quantization.is_quantized(model)
     if saved_int8 and dtype != "int8":
@@ -100,7 +109,7 @@ def load(directory, dtype: str = "fp32"):
         model.to(torch.bfloat16)
     elif dtype == "int8":
         (model if saved_int8 else quantization.quantize(model)).to(quantization.fast_activation_dtype())
-    return model, transformers.AutoTokenizer.from_pretrained(directory)
+    return model, tokenizer or transformers.AutoTokenizer.from_pretrained(directory)
 
 
 def default_max_length(model, tokenizer, directory=None) -> int:
@@ -328,8 +337,7 @@ def encode(model, texts: Iterable[str], tokenizer=None, pooling: str | None = No
     directory = None
     if isinstance(model, (str, os.PathLike)):
         directory = model
-        model, loaded = load(directory)
-        tokenizer = tokenizer or loaded
+        model, tokenizer = load(directory, tokenizer=tokenizer)
     if tokenizer is None:
         raise ValueError("encode() needs the model's tokenizer (or pass a model directory instead of a model)")
     how = recipe_of(directory, pooling, normalize)

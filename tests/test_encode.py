@@ -363,6 +363,33 @@ def test_command_usage_errors_leave_nothing_behind(tmp_path, name, options, mess
     assert not Path(str(out) + ".parts").exists()  # so the corrected command is not taken for a changed run
 
 
+@pytest.mark.parametrize("lacks,message", [
+    (("tokenizer.json", "vocab.txt"), "has no tokenizer \\(tokenizer.json or vocab.txt\\)"),
+    (("config.json",), "config.json"), (("model.safetensors",), "model.safetensors|weights")])
+def test_a_model_directory_missing_files_is_named(tmp_path, tiny_bert_dir, lacks, message):
+    """Without its tokenizer files transformers would make one of 5 special tokens from config.json (every
+    word [UNK], embeddings of nothing, no error); a missing config or weights file is named, not a traceback."""
+    import shutil
+
+    from fastbert.apps.encode import InputError, run
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_bert_dir, model)
+    for name in lacks:
+        (model / name).unlink(missing_ok=True)
+    texts = _txt(tmp_path, ["The cat sits on the mat."])
+    with pytest.raises(InputError, match=message):
+        run(str(model), str(texts), str(tmp_path / "out.npy"), progress=False)
+    if "vocab.txt" in lacks:
+        with pytest.raises(ValueError, match=message):
+            fastbert.encode(str(model), ["a"])
+        import transformers  # a tokenizer given with the directory serves
+
+        tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_bert_dir)
+        assert_matches(fastbert.encode(str(model), ["a cat"], tokenizer=tokenizer),
+                       fastbert.encode(tiny_bert_dir, ["a cat"]), name="with the tokenizer given")
+
+
 def test_command_empty_input_and_byte_order_mark(tmp_path, minilm):
     from fastbert.apps.encode import run
 

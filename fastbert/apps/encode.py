@@ -173,7 +173,7 @@ def run(model_dir: str, input_path: str, output: str, dtype: str = "fp32", batch
     try:
         how = recipe_of(model_dir, pooling, normalize)
         model, tokenizer = load(model_dir, dtype)
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # OSError: a file the model directory lacks (config.json, weights)
         raise InputError(str(e)) from None
     limit = model.config.max_position_embeddings
     if max_length is None:
@@ -229,7 +229,8 @@ def run(model_dir: str, input_path: str, output: str, dtype: str = "fp32", batch
             os.replace(path + ".tmp", path)  # a shard exists whole or not at all
             shard += 1
     except TextTooLong as e:  # text k of the input is its line (or row) k + 1
-        raise InputError(f"{input_path} line {e.index + done * shard_texts + 1}: {e.tokens} tokens, over max_length "
+        where = "row" if input_path.endswith(".parquet") else "line"
+        raise InputError(f"{input_path} {where} {e.index + done * shard_texts + 1}: {e.tokens} tokens, over max_length "
                          f"{e.max_length} (--truncate cuts it, --max-length sets it)") from None
     finally:
         if bar is not None:
