@@ -204,7 +204,10 @@ def tokenize(tokenizer, texts: list[str], max_length: int, truncate: bool, first
         if len(row) > max_length:
             if not truncate:
                 raise TextTooLong(first_index + k, len(row), max_length)
-            ids[k] = row[: max_length - 1] + row[-1:]  # keep [SEP] last, as the tokenizer's own truncation does
+            # [CLS] and [SEP] kept, as the tokenizer's own truncation does: from the end, or from the start
+            # where the tokenizer's truncation_side says "left"
+            left = getattr(tokenizer, "truncation_side", "right") == "left"
+            ids[k] = row[:1] + row[1 - max_length:] if left else row[: max_length - 1] + row[-1:]
     return ids
 
 

@@ -215,7 +215,9 @@ def _sentence_transformers_dir(base, path, pooling, normalize=True, prompt=None,
     ("mean", dict(prompt="query: ")), ("mean", dict(prompt="query: ", include_prompt=False)),
     ("cls", dict(prompt="query: ", include_prompt=False)), ("mean", dict(lower=True)),
     ("mean", dict(prompt="Query: ", include_prompt=False, lower=True)),
-    ("mean", dict(prompt="a prompt longer than the texts may be " * 3, include_prompt=False, max_seq_length=12))], ids=str)
+    ("mean", dict(prompt="a prompt longer than the texts may be " * 3, include_prompt=False, max_seq_length=12)),
+    ("mean", dict(max_seq_length=8, left=True)), ("mean", dict(prompt="query: ", include_prompt=False, max_seq_length=8, left=True))],
+    ids=str)
 def test_a_sentence_transformers_directory_is_run_as_sentence_transformers_runs_it(tmp_path, tiny_bert_dir, pooling,
                                                                                   options):
     """Its pooling, Normalize (or none), default prompt (its tokens pooled or not) and do_lower_case, read
@@ -228,6 +230,14 @@ def test_a_sentence_transformers_directory_is_run_as_sentence_transformers_runs_
 
         base = shutil.copytree(tiny_bert_dir, tmp_path / "cased")
         transformers.AutoTokenizer.from_pretrained(tiny_bert_dir, do_lower_case=False).save_pretrained(base)
+    options = dict(options)
+    if options.pop("left", False):  # a tokenizer that truncates from the start
+        import shutil
+
+        import transformers
+
+        base = shutil.copytree(tiny_bert_dir, tmp_path / "left")
+        transformers.AutoTokenizer.from_pretrained(tiny_bert_dir, truncation_side="left").save_pretrained(base)
     theirs = _sentence_transformers_dir(str(base), tmp_path / "st", pooling, **options)
     # "[SEP]" in a text is the special token (lowercasing must not make it "[sep]"); the tokenizer lowercases
     # a final sigma as Σ -> σ, where Python's str.lower() gives ς
