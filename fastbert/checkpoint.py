@@ -152,7 +152,11 @@ def save_pretrained(model: torch.nn.Module, directory) -> None:
 
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
-    model.config.save_pretrained(directory, architectures=[type(model).__name__])
+    # The weights' dtype, not the one the config was read with (transformers loads by it: float32 weights
+    # under a config saying bfloat16 would load rounded); torch_dtype is its earlier name.
+    dtype = str(next(p.dtype for p in model.parameters() if p.is_floating_point())).removeprefix("torch.")
+    names = ["dtype"] + (["torch_dtype"] if "torch_dtype" in model.config.extra else [])
+    model.config.save_pretrained(directory, architectures=[type(model).__name__], **dict.fromkeys(names, dtype))
     # safetensors stores one name per storage: tied aliases are left out, as transformers does (it ties
     # them again on load).
     tied = model.tied_weights()

@@ -1,4 +1,5 @@
 """HF directories in and out: safetensors, weights-only .bin, BertFor* prefixes, clear errors."""
+import json
 import logging
 import os
 import pickle
@@ -189,6 +190,21 @@ def test_save_pretrained_loads_in_transformers(tmp_path):
     again = fastbert.BertModel.from_pretrained(tmp_path)
     for k, v in ours.state_dict().items():
         assert torch.equal(v, again.state_dict()[k])
+
+
+@pytest.mark.parametrize("key", ["dtype", "torch_dtype"])
+def test_save_pretrained_writes_the_dtype_of_its_weights(tmp_path, key):
+    """A config read from a bf16 save says bfloat16; the model loaded float32 and saved must not (transformers
+    loads by the config's dtype: float32 weights read as bf16, rel err 5.7e-3 and no warning)."""
+    config = {**SMALL, key: "bfloat16"}
+    ours = fastbert.BertModel(fastbert.BertConfig.from_dict(config)).eval()
+    ours.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["dtype"] == "float32" and saved.get(key) == "float32"
+    hf = transformers.BertModel.from_pretrained(tmp_path, dtype="auto").eval()
+    assert hf.embeddings.word_embeddings.weight.dtype == torch.float32
+    ours.to(torch.bfloat16).save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
 
 
 def test_dtype_argument(tmp_path):
