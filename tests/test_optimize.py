@@ -437,6 +437,17 @@ def test_hooks_on_submodules_fire_as_in_transformers():
     assert "encoder.layer.1.output.dense has a forward of its own" in _runs_as_transformers(hf, plain, own_forward)[0]
     for model in (hf, plain):
         del model.encoder.layer[1].output.dense.forward
+
+    class Halved(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 0.5
+
+    def own_class(model):  # a class of its own, set on the instance
+        model.encoder.layer[1].output.dense.__class__ = Halved
+
+    assert "encoder.layer.1.output.dense is a Halved" in _runs_as_transformers(hf, plain, own_class)[0]
+    for model in (hf, plain):
+        model.encoder.layer[1].output.dense.__class__ = torch.nn.Linear
     # A copy's modules are its own: a hook on the copy's counts, and only there.
     hf, plain = copy.deepcopy(hf), copy.deepcopy(plain)
     _runs_as_transformers(hf, plain, lambda model: None, fastbert_runs=True)

@@ -149,7 +149,7 @@ def _tree(hf_bert, quantized: bool) -> tuple:
     config's _settings; with int8 copies, also the linears' parameters with their storage and version (the
     copies are made from their values)."""
     config = hf_bert.config
-    parents = tuple((parent, dict(parent._modules)) for parent in hf_bert.modules())
+    parents = tuple((parent, dict(parent._modules), type(parent)) for parent in hf_bert.modules())
     linears = (m for m in hf_bert.encoder.modules() if isinstance(m, torch.nn.Linear)) if quantized else ()
     weights = tuple((m, name, p, p.data_ptr(), p._version) for m in linears for name, p in m._parameters.items()
                     if p is not None)
@@ -158,11 +158,12 @@ def _tree(hf_bert, quantized: bool) -> tuple:
 
 def _unchanged(hf_bert, tree: tuple) -> bool:
     """`hf_bert` is still what `tree` recorded. A module added anywhere is a child more of a recorded
-    parent, so comparing the recorded parents' children finds it (dicts of modules compare by identity,
-    in C: ~20 us a forward for BERT-base's 228 modules)."""
+    parent, so comparing the recorded parents' children (and classes: a __class__ set to a subclass with
+    a forward of its own) finds it (dicts of modules compare by identity,
+    in C: ~35 us a forward for BERT-base's 228 modules)."""
     parents, settings, weights = tree
     return (settings == _settings(hf_bert.config)
-            and all(parent._modules == children for parent, children in parents)
+            and all(parent._modules == children and type(parent) is kind for parent, children, kind in parents)
             and all(m._parameters.get(name) is p and p.data_ptr() == ptr and p._version == version
                     for m, name, p, ptr, version in weights))
 
@@ -212,7 +213,7 @@ def _skipped(hf_bert) -> str | None:
     tree = hf_bert.__dict__["_fastbert_tree"]
     watched = _WATCHED.get(hf_bert)
     if watched is None or watched[0] is not tree:
-        watched = _WATCHED[hf_bert] = [tree, [vars(parent) for parent, _ in tree[0][1:]], None]
+        watched = _WATCHED[hf_bert] = [tree, [vars(parent) for parent, *_ in tree[0][1:]], None]
     states, count = watched[1], RemovableHandle.next_id
     if any(map(operator.contains, states, itertools.repeat("forward"))):
         return next(f"{name} has a forward of its own" for name, m in hf_bert.named_modules()
