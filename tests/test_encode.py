@@ -270,7 +270,8 @@ def test_command_txt_jsonl_parquet(tmp_path, minilm):
     model, tokenizer = minilm
     texts = SENTENCES[:40] + ["", "  spaced  "]
     (tmp_path / "in.txt").write_text("\n".join(texts) + "\n", encoding="utf-8")
-    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": i, "body": t}) + "\n" for i, t in enumerate(texts)))
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": i, "body": t}) + "\n" for i, t in enumerate(texts))
+                                       + "\n \n")  # blank lines closing the file are no records
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -303,6 +304,7 @@ def test_command_int8_and_bf16_stay_close_to_fp32(tmp_path):
     (b"fine\nbad \xff byte\n", [], "in.txt line 2: not UTF-8 \\(byte 0xff at column 5\\)"),
     (b'{"text": "a"}\n{"other": "b"}\n', ["--field", "text"], "in.jsonl line 2: no field 'text'"),
     (b'{"text": "a"}\nnot json\n', ["--field", "text"], "in.jsonl line 2: not JSON"),
+    (b'{"text": "a"}\n \n\n{"text": "b"}\n', ["--field", "text"], "in.jsonl line 2: blank \\(a .jsonl line holds one record\\)"),
     (b"short\n" + b"word " * 400 + b"\n", [], "in.txt line 2: 402 tokens, over max_length 256 \\(--truncate"),
     (b'{"text": "a"}\n{"text": "a\\ud800b"}\n', ["--field", "text"], "in.jsonl line 2: field 'text' is not valid Unicode"),
 ])
@@ -441,6 +443,21 @@ def test_a_model_saved_again_in_place_is_not_resumed_into(tmp_path, capfd):
     whole = tmp_path / "whole.npy"
     run(str(model_dir), str(tmp_path / "in.txt"), str(whole), truncate=True, **common)
     assert np.array_equal(np.load(out), np.load(whole))
+
+
+def test_an_input_replaced_with_its_size_and_mtime_is_not_resumed_into(tmp_path, tiny_bert_dir):
+    """A corrected input copied over the old one with cp -p / rsync -a: same size, same mtime, other texts."""
+    from fastbert.apps.encode import InputError, run
+
+    path = tmp_path / "in.txt"
+    path.write_text("\n".join(SENTENCES[:7] + ["word " * 600]) + "\n", encoding="utf-8")
+    with pytest.raises(InputError, match="line 8"):  # stopped there: the shards of lines 1-6 stay
+        run(tiny_bert_dir, str(path), str(tmp_path / "out.npy"), progress=False, shard_texts=2)
+    stat = path.stat()
+    path.write_bytes(path.read_bytes().swapcase())
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    with pytest.raises(InputError, match="input_sample_sha256"):
+        run(tiny_bert_dir, str(path), str(tmp_path / "out.npy"), progress=False, shard_texts=2, truncate=True)
 
 
 @pytest.mark.parametrize("linked", [None, "model", "output", "resumed"])

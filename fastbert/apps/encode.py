@@ -5,6 +5,7 @@ fastbert.encode's windows, batched the same way on every run)."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import json
 import os
@@ -54,7 +55,10 @@ def _parquet_texts(path, f, column) -> Iterator[str]:
 
 
 def _line_texts(path, field) -> Iterator[str]:
-    """.txt lines, or (field given) .jsonl records' `field`."""
+    """.txt lines, or (field given) .jsonl records' `field`. Blank lines closing a .jsonl file are no
+    records (editors and `cat` leave them); one between records is named (its text would shift every later
+    line's embedding by one)."""
+    blank = None  # the first of the blank .jsonl lines read since the last record
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
             raw = raw.rstrip(b"\n").rstrip(b"\r")
@@ -67,6 +71,11 @@ def _line_texts(path, field) -> Iterator[str]:
             if field is None:
                 yield line
                 continue
+            if not line.strip():
+                blank = blank or number
+                continue
+            if blank is not None:
+                raise InputError(f"{path} line {blank}: blank (a .jsonl line holds one record)")
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
@@ -85,7 +94,7 @@ def _line_texts(path, field) -> Iterator[str]:
 
 
 def _files(directory: str, output: str) -> dict:
-    """{path: [bytes, mtime_ns]} of the files under `directory` (hidden ones and this run's output aside): a
+    """{path: [bytes, mtime_ns, sample digest]} of the files under `directory` (hidden ones and this run's output aside): a
     model saved again in place, under the same name, is another model. Paths compare resolved: the model or
     the output may be named through a symlink."""
     files, own = {}, {os.path.realpath(p) for p in (output, output + ".tmp", output + ".parts")}
@@ -94,14 +103,28 @@ def _files(directory: str, output: str) -> dict:
         for name in sorted(n for n in names if not n.startswith(".")):
             if os.path.realpath(os.path.join(root, name)) in own:
                 continue
-            stat = os.stat(os.path.join(root, name))
-            files[os.path.relpath(os.path.join(root, name), directory)] = [stat.st_size, stat.st_mtime_ns]
+            path = os.path.join(root, name)
+            stat = os.stat(path)
+            files[os.path.relpath(path, directory)] = [stat.st_size, stat.st_mtime_ns, _sample_digest(path)]
     return files
+
+
+def _sample_digest(path: str, size: int = 1 << 20) -> str:
+    """sha256 of a file's first and last MiB: a file replaced by another of its size and mtime (cp -p,
+    rsync -a) is seen without reading all of it."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        digest.update(f.read(size))
+        if f.seek(0, os.SEEK_END) > size:
+            f.seek(max(size, f.tell() - size))
+            digest.update(f.read(size))
+    return digest.hexdigest()
 
 
 def _manifest(args, input_path, model_dir, output) -> dict:
     stat = os.stat(input_path)
     return {"input": os.path.realpath(input_path), "input_bytes": stat.st_size, "input_mtime_ns": stat.st_mtime_ns,
+            "input_sample_sha256": _sample_digest(input_path),
             "model": os.path.realpath(model_dir), "model_files": _files(model_dir, output), "dtype": args["dtype"],
             "recipe": args["recipe"], "max_length": args["max_length"],
             "truncate": args["truncate"], "batch_tokens": args["batch_tokens"], "shard_texts": args["shard_texts"],
