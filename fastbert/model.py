@@ -365,6 +365,16 @@ class BertPreTrainedModel(nn.Module):
         checkpoint.save_pretrained(self, directory)
 
 
+def selected_states(hidden_states, flag):
+    """transformers 5 takes output_hidden_states as an index or a list of them and leaves the other
+    states None (an index out of range selects nothing)."""
+    if hidden_states is None or isinstance(flag, bool) or not isinstance(flag, (int, list, tuple)):
+        return hidden_states
+    n = len(hidden_states)
+    keep = {i % n for i in ([flag] if isinstance(flag, int) else flag) if -n <= i < n}
+    return tuple(h if i in keep else None for i, h in enumerate(hidden_states))
+
+
 class BertModel(BertPreTrainedModel):
     base_model_prefix = ""
 
@@ -428,12 +438,14 @@ class BertModel(BertPreTrainedModel):
         return dispatch.prefers_varlen(x, self.config.head_dim, dropout_p) and padding.worth_unpadding(attention_mask)
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
-                output_hidden_states: bool = False, output_attentions: bool = False, return_dict: bool = True,
-                allow_unpadding: bool = True):
+                output_hidden_states: bool | int | list[int] = False, output_attentions: bool = False,
+                return_dict: bool = True, allow_unpadding: bool = True):
         """Outputs as transformers' BertModel. With padding and a varlen kernel, the encoder runs on
         packed tokens and last_hidden_state (and hidden_states) hold zeros at pad positions;
-        allow_unpadding=False runs pad tokens through the encoder, for callers that read those positions."""
+        allow_unpadding=False runs pad tokens through the encoder, for callers that read those positions.
+        output_hidden_states: True, or (as transformers 5 takes it) an index or a list of them."""
         self.check_inputs(input_ids, attention_mask, token_type_ids, position_ids)
+        selection, output_hidden_states = output_hidden_states, bool(output_hidden_states)  # 0: none, as there
         if attention_mask is not None:
             attention_mask = attention_mask.bool()  # [B, S], True = token
         x = self.embeddings(input_ids, token_type_ids, position_ids)  # [B, S, H]
@@ -453,7 +465,7 @@ class BertModel(BertPreTrainedModel):
         out = BertModelOutput(
             last_hidden_state=x,
             pooler_output=pooled,
-            hidden_states=tuple(hidden_states) if hidden_states is not None else None,
+            hidden_states=selected_states(tuple(hidden_states), selection) if hidden_states is not None else None,
             attentions=tuple(attentions) if attentions is not None else None,
         )
         return out if return_dict else out.to_tuple()

@@ -75,6 +75,21 @@ def test_hidden_states_and_attentions_match_transformers():
     assert len(a) == 4 and a[2] is a.hidden_states and a[3] is a.attentions
 
 
+@pytest.mark.parametrize("selection", [-1, [0, 2, 9], 1, [-4]])
+def test_hidden_states_selected_by_index_as_in_transformers(selection):
+    """transformers 5 takes output_hidden_states as an index or a list of them and leaves the other states
+    None."""
+    ours, theirs = twins(vocab_size=99, **CONFIGS["d32-3layers-tanh"])
+    ids, mask, _ = padded_batch(99, [7, 3])
+    a = ours(ids, attention_mask=mask, output_hidden_states=selection).hidden_states
+    b = theirs(input_ids=ids, attention_mask=mask, output_hidden_states=selection).hidden_states
+    assert [x is None for x in a] == [y is None for y in b] and any(y is not None for y in b)
+    real = mask.bool()
+    for i, (x, y) in enumerate(zip(a, b)):
+        if y is not None:
+            assert_matches(x[real], y[real], name=f"hidden_states[{i}]")
+
+
 def test_state_dict_round_trip_strict_both_ways():
     ours, theirs = twins(vocab_size=50, **CONFIGS["d32-1layer-gelu"])
     assert list(ours.state_dict()) == list(theirs.state_dict())

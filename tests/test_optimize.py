@@ -248,7 +248,8 @@ def test_outputs_have_transformers_fields_and_selected_hidden_states():
     fastbert.optimize(hf)
     ids = torch.randint(1, 120, (2, 7))
     for kwargs in (dict(output_attentions=True), dict(output_attentions=True, return_dict=False),
-                   dict(output_hidden_states=-2), dict(output_hidden_states=[0, -1, 7]), dict(output_hidden_states=1)):
+                   dict(output_hidden_states=-2), dict(output_hidden_states=[0, -1, 7]), dict(output_hidden_states=1),
+                   dict(output_hidden_states=0)):
         with fastbert.dispatch.record() as calls:
             a = hf(ids, **kwargs)
         b = plain(ids, **kwargs)
@@ -256,7 +257,7 @@ def test_outputs_have_transformers_fields_and_selected_hidden_states():
         a, b = (a, b) if isinstance(b, tuple) else (a.to_tuple(), b.to_tuple())
         assert len(a) == len(b), kwargs
         for x, y in zip(a, b):
-            if isinstance(y, tuple) and any(t is not None for t in y) and kwargs.get("output_hidden_states"):
+            if isinstance(y, tuple) and any(t is not None for t in y) and "output_hidden_states" in kwargs:
                 assert [t is None for t in x] == [t is None for t in y], kwargs
                 for i, (p, q) in enumerate(zip(x, y)):
                     if q is not None:

@@ -34,16 +34,6 @@ def _cross_with_self() -> bool:
     return int(transformers.__version__.split(".")[0]) >= 5
 
 
-def _selected(hidden_states, flag):
-    """transformers 5 takes output_hidden_states as an index or a list of them and leaves the other
-    states None (an index out of range selects nothing)."""
-    if hidden_states is None or isinstance(flag, bool) or not isinstance(flag, (int, list, tuple)):
-        return hidden_states
-    n = len(hidden_states)
-    keep = {i % n for i in ([flag] if isinstance(flag, int) else flag) if -n <= i < n}
-    return tuple(h if i in keep else None for i, h in enumerate(hidden_states))
-
-
 def _hf_bert_of(model):
     """The transformers BertModel inside `model` (itself, BertFor*.bert, or a SentenceTransformer's or
     CrossEncoder's: its first module's BertModel or BertFor*)."""
@@ -294,11 +284,11 @@ class OptimizedForward:
         # encoder then recomputes every layer in backward, the same numbers.
         ours.encoder.gradient_checkpointing = checkpointing(hf_bert)
         out = ours(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
-                   output_hidden_states=setting("output_hidden_states", False),
+                   output_hidden_states=raw_setting("output_hidden_states", False),
                    output_attentions=setting("output_attentions", False), allow_unpadding=not padded)
         result = BaseModelOutputWithPoolingAndCrossAttentions(
             last_hidden_state=out.last_hidden_state, pooler_output=out.pooler_output,
-            hidden_states=_selected(out.hidden_states, raw_setting("output_hidden_states", False)),
+            hidden_states=out.hidden_states,
             attentions=out.attentions, cross_attentions=() if out.attentions is not None and _cross_with_self() else None)
         return result if setting("return_dict", True) else result.to_tuple()
 
