@@ -200,13 +200,13 @@ def tokenize(tokenizer, texts: list[str], max_length: int, truncate: bool, first
     """Token ids with special tokens; a text over max_length is truncated, or (truncate=False) an error
     naming its index (first_index + position)."""
     ids = tokenizer(texts, add_special_tokens=True, truncation=False, verbose=False)["input_ids"]
+    # [CLS] and [SEP] kept, as the tokenizer's own truncation does: from the end, or from the start where
+    # the tokenizer's truncation_side says "left"
+    left = getattr(tokenizer, "truncation_side", "right") == "left"
     for k, row in enumerate(ids):
         if len(row) > max_length:
             if not truncate:
                 raise TextTooLong(first_index + k, len(row), max_length)
-            # [CLS] and [SEP] kept, as the tokenizer's own truncation does: from the end, or from the start
-            # where the tokenizer's truncation_side says "left"
-            left = getattr(tokenizer, "truncation_side", "right") == "left"
             ids[k] = row[:1] + row[1 - max_length:] if left else row[: max_length - 1] + row[-1:]
     return ids
 
@@ -222,12 +222,11 @@ def lowercasing(tokenizer):
     if backend is None:
         raise ValueError(f"do_lower_case needs a fast (tokenizers) tokenizer, got {type(tokenizer).__name__}")
     steps = backend.normalizer
-    if steps is not None and any(isinstance(n, normalizers.Lowercase)
-                                 for n in (steps if isinstance(steps, normalizers.Sequence) else [steps])):
+    steps = [] if steps is None else list(steps) if isinstance(steps, normalizers.Sequence) else [steps]
+    if any(isinstance(n, normalizers.Lowercase) for n in steps):
         return tokenizer
     tokenizer = copy.deepcopy(tokenizer)
-    rest = [] if steps is None else list(steps) if isinstance(steps, normalizers.Sequence) else [steps]
-    tokenizer.backend_tokenizer.normalizer = normalizers.Sequence([normalizers.Lowercase(), *rest])
+    tokenizer.backend_tokenizer.normalizer = normalizers.Sequence([normalizers.Lowercase(), *steps])
     return tokenizer
 
 

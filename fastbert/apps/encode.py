@@ -94,37 +94,36 @@ def _line_texts(path, field) -> Iterator[str]:
 
 
 def _files(directory: str, output: str) -> dict:
-    """{path: [bytes, mtime_ns, sample digest]} of the files under `directory` (hidden ones and this run's output aside): a
+    """{path: _fingerprint} of the files under `directory` (hidden ones and this run's output aside): a
     model saved again in place, under the same name, is another model. Paths compare resolved: the model or
     the output may be named through a symlink."""
     files, own = {}, {os.path.realpath(p) for p in (output, output + ".tmp", output + ".parts")}
     for root, dirs, names in os.walk(directory):
         dirs[:] = sorted(d for d in dirs if not d.startswith(".") and os.path.realpath(os.path.join(root, d)) not in own)
         for name in sorted(n for n in names if not n.startswith(".")):
-            if os.path.realpath(os.path.join(root, name)) in own:
-                continue
             path = os.path.join(root, name)
-            stat = os.stat(path)
-            files[os.path.relpath(path, directory)] = [stat.st_size, stat.st_mtime_ns, _sample_digest(path)]
+            if os.path.realpath(path) not in own:
+                files[os.path.relpath(path, directory)] = _fingerprint(path)
     return files
 
 
-def _sample_digest(path: str, size: int = 1 << 20) -> str:
-    """sha256 of a file's first and last MiB: a file replaced by another of its size and mtime (cp -p,
-    rsync -a) is seen without reading all of it."""
+def _fingerprint(path: str, sample: int = 1 << 20) -> list:
+    """[bytes, mtime_ns, sha256 of the first and last MiB]: a file replaced by another of its size and
+    mtime (cp -p, rsync -a) is seen without reading all of it."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
-        digest.update(f.read(size))
-        if f.seek(0, os.SEEK_END) > size:
-            f.seek(max(size, f.tell() - size))
-            digest.update(f.read(size))
-    return digest.hexdigest()
+        digest.update(f.read(sample))
+        if f.seek(0, os.SEEK_END) > sample:
+            f.seek(max(sample, f.tell() - sample))
+            digest.update(f.read(sample))
+    stat = os.stat(path)
+    return [stat.st_size, stat.st_mtime_ns, digest.hexdigest()]
 
 
 def _manifest(args, input_path, model_dir, output) -> dict:
-    stat = os.stat(input_path)
-    return {"input": os.path.realpath(input_path), "input_bytes": stat.st_size, "input_mtime_ns": stat.st_mtime_ns,
-            "input_sample_sha256": _sample_digest(input_path),
+    size, mtime, digest = _fingerprint(input_path)
+    return {"input": os.path.realpath(input_path), "input_bytes": size, "input_mtime_ns": mtime,
+            "input_sample_sha256": digest,
             "model": os.path.realpath(model_dir), "model_files": _files(model_dir, output), "dtype": args["dtype"],
             "recipe": args["recipe"], "max_length": args["max_length"],
             "truncate": args["truncate"], "batch_tokens": args["batch_tokens"], "shard_texts": args["shard_texts"],

@@ -77,17 +77,17 @@ def _built_with(hf_bert) -> dict:
     """What transformers' layers were built with and keep, whatever the config says now: as many layers as
     the ModuleList holds, their head count and their activation module (a config edited later changes
     neither). A layer whose activation fastbert does not compute (swapped for a ReLU) raises."""
-    layers = hf_bert.encoder.layer
+    layers, activations = hf_bert.encoder.layer, set()
     for index, layer in enumerate(layers):
         activation = type(layer.intermediate.intermediate_act_fn)
         if activation not in _activation_names():
             raise TypeError(f"fastbert.optimize: encoder.layer.{index}.intermediate.intermediate_act_fn is a "
                             f"{activation.__name__}, which fastbert's kernels do not compute (they compute "
                             f"{', '.join(HIDDEN_ACTS)})")
+        activations.add(_activation_names()[activation])
     found = {"num_hidden_layers": len(layers)}
     for name, values in (("num_attention_heads", {layer.attention.self.num_attention_heads for layer in layers}),
-                         ("hidden_act", {_activation_names()[type(layer.intermediate.intermediate_act_fn)]
-                                         for layer in layers})):
+                         ("hidden_act", activations)):
         if len(values) > 1:
             raise TypeError(f"fastbert.optimize: the layers differ in {name} ({', '.join(map(str, sorted(values)))})")
         found.update({name: values.pop()} if values else {})
