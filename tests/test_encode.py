@@ -446,17 +446,22 @@ def test_a_model_saved_again_in_place_is_not_resumed_into(tmp_path, capfd):
 
 
 def test_an_input_replaced_with_its_size_and_mtime_is_not_resumed_into(tmp_path, tiny_bert_dir):
-    """A corrected input copied over the old one with cp -p / rsync -a: same size, same mtime, other texts."""
+    """A corrected input copied over the old one with cp -p / rsync -a: same size, same mtime, other texts
+    (here only in the middle of a 3 MiB file)."""
     from fastbert.apps.encode import InputError, run
 
     path = tmp_path / "in.txt"
-    path.write_text("\n".join(SENTENCES[:7] + ["word " * 600]) + "\n", encoding="utf-8")
+    filler = ["a few more words"] * 200_000
+    path.write_text("\n".join(SENTENCES[:7] + ["word " * 600] + filler) + "\n", encoding="utf-8")
     with pytest.raises(InputError, match="line 8"):  # stopped there: the shards of lines 1-6 stay
         run(tiny_bert_dir, str(path), str(tmp_path / "out.npy"), progress=False, shard_texts=2)
     stat = path.stat()
-    path.write_bytes(path.read_bytes().swapcase())
+    data = bytearray(path.read_bytes())
+    middle = data.index(b"few", len(data) // 2)
+    data[middle:middle + 3] = b"FEW"  # in the filler, after where the run stopped
+    path.write_bytes(bytes(data))
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    with pytest.raises(InputError, match="input_sample_sha256"):
+    with pytest.raises(InputError, match="input_sha256"):
         run(tiny_bert_dir, str(path), str(tmp_path / "out.npy"), progress=False, shard_texts=2, truncate=True)
 
 
