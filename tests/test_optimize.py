@@ -95,6 +95,29 @@ def test_losses_that_read_pad_positions_equal_transformers(head, labels):
     assert_matches(again.loss, b.loss, name="loss with the encoder replaced")
 
 
+@pytest.mark.parametrize("head", [transformers.BertForSequenceClassification, transformers.BertForMaskedLM])
+def test_the_trainers_num_items_in_batch_leaves_fastbert_running(head):
+    """transformers' Trainer passes num_items_in_batch to every call of a model whose forward takes
+    **kwargs (a loss argument: the masked-LM loss divides its sum by it); the encoder passes it on unread,
+    so it must not send the call to transformers' forward (the Trainer ran none of fastbert's kernels)."""
+    hf = head(transformers.BertConfig(**SMALL, num_labels=3)).train()
+    plain = copy.deepcopy(hf)
+    fastbert.optimize(hf)
+    ids, mask, types = padded_batch(120, [9, 4, 1])
+    labels = torch.tensor([0, 2, 1]) if head is transformers.BertForSequenceClassification else \
+        torch.where(mask.bool() & (torch.rand(ids.shape) < 0.5), ids, -100)
+    given = dict(input_ids=ids, attention_mask=mask, token_type_ids=types, labels=labels,
+                 num_items_in_batch=torch.tensor(7))
+    with fastbert.dispatch.record() as calls:
+        a = hf(**given)
+    b = plain(**given)
+    assert ran_fastbert(calls)
+    assert_matches(a.loss, b.loss, name="loss")
+    a.loss.backward()
+    b.loss.backward()
+    assert_same_gradients(hf, plain)
+
+
 def test_optimize_follows_device_dtype_and_train_mode():
     hf = transformers.BertModel(transformers.BertConfig(**SMALL)).eval()
     plain = copy.deepcopy(hf).to(torch.bfloat16)
@@ -321,7 +344,7 @@ def test_modules_swapped_in_later_are_followed():
         layer = model.encoder.layer[0].attention.self
         torch.manual_seed(1)
         layer.query = LowRankAdapter(layer.query)
-    with pytest.warns(UserWarning, match="query is a LowRankAdapter, not a plain Linear"):
+    with pytest.warns(UserWarning, match=r"query is a [\w.]*LowRankAdapter, not a plain torch.nn.Linear"):
         with fastbert.dispatch.record() as calls:
             a = hf(ids).last_hidden_state
     assert not ran_fastbert(calls)
@@ -329,7 +352,7 @@ def test_modules_swapped_in_later_are_followed():
     # optimize() on a model that has one already refuses it, and leaves the model as it was.
     adapted = copy.deepcopy(plain)
     forward = adapted.forward
-    with pytest.raises(TypeError, match="encoder.layer.0.attention.self.query is a LowRankAdapter"):
+    with pytest.raises(TypeError, match="encoder.layer.0.attention.self.query is a test_optimize.LowRankAdapter"):
         fastbert.optimize(adapted)
     assert adapted.forward == forward
 
@@ -446,7 +469,7 @@ def test_hooks_on_submodules_fire_as_in_transformers():
     def own_class(model):  # a class of its own, set on the instance
         model.encoder.layer[1].output.dense.__class__ = Halved
 
-    assert "encoder.layer.1.output.dense is a Halved" in _runs_as_transformers(hf, plain, own_class)[0]
+    assert "encoder.layer.1.output.dense is a test_optimize.Halved" in _runs_as_transformers(hf, plain, own_class)[0]
     for model in (hf, plain):
         model.encoder.layer[1].output.dense.__class__ = torch.nn.Linear
     # A copy's modules are its own: a hook on the copy's counts, and only there.

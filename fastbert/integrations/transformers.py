@@ -21,9 +21,10 @@ from fastbert.model import BertModel, BertPreTrainedModel
 from fastbert.quantization import quantize as fastbert_quantize
 
 # HF BertModel.forward arguments fastbert's encoder serves; anything else (inputs_embeds, cross
-# attention, caches) goes to transformers' own forward.
+# attention, caches) goes to transformers' own forward. num_items_in_batch is the loss's (transformers'
+# Trainer passes it to every call of a model whose forward takes **kwargs): the encoder passes it on unread.
 _SERVED = {"input_ids", "attention_mask", "token_type_ids", "position_ids", "output_hidden_states",
-           "output_attentions", "return_dict"}
+           "output_attentions", "return_dict", "num_items_in_batch"}
 
 
 @functools.cache
@@ -105,8 +106,8 @@ def _encoder_sharing(hf_bert):
         if isinstance(module, _LEAVES):
             theirs = hf_bert.get_submodule(name)
             if not _plain(theirs):
-                raise TypeError(f"fastbert.optimize: {name} is a {type(theirs).__name__}, not a plain "
-                                f"{type(module).__name__} (merge adapters into the weights, or optimize before adding them)")
+                raise TypeError(f"fastbert.optimize: {name} is a {type(theirs).__module__}.{type(theirs).__name__}, "
+                                f"not a plain torch.nn.{type(module).__name__} (merge adapters into the weights, or optimize before adding them)")
             parent_name, _, leaf = name.rpartition(".")
             parent = ours.get_submodule(parent_name) if parent_name else ours
             setattr(parent, leaf, theirs)
