@@ -118,6 +118,34 @@ def test_the_trainers_num_items_in_batch_leaves_fastbert_running(head):
     assert_same_gradients(hf, plain)
 
 
+def test_a_transformers_trainer_trains_on_fastbert_as_on_transformers(tmp_path):
+    """transformers' Trainer (a few SGD steps on padded batches, then predict) on an optimized model: its
+    kernels run in training and prediction, and loss and logits are the plain model's."""
+    accelerate = pytest.importorskip("accelerate")  # noqa: F841 (the Trainer needs it)
+    torch.manual_seed(0)
+    hf = transformers.BertForSequenceClassification(transformers.BertConfig(**SMALL, num_labels=3))
+    plain = copy.deepcopy(hf)
+    fastbert.optimize(hf)
+    ids, mask, types = padded_batch(120, [12, 9, 4, 1, 7, 12, 3, 5])
+    rows = [dict(input_ids=i, attention_mask=m, token_type_ids=t, labels=int(l))
+            for i, m, t, l in zip(ids, mask, types, torch.randint(0, 3, (8,)))]
+    results = []
+    for model in (hf, plain):
+        args = transformers.TrainingArguments(output_dir=str(tmp_path / str(len(results))), max_steps=3,
+                                              per_device_train_batch_size=4, optim="sgd", learning_rate=0.1,
+                                              report_to=[], save_strategy="no", use_cpu=True, seed=0,
+                                              disable_tqdm=True, logging_strategy="no")
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=rows, eval_dataset=rows)
+        with fastbert.dispatch.record() as calls:
+            loss = trainer.train().training_loss
+            logits = trainer.predict(rows).predictions
+        results.append((torch.tensor(loss), torch.as_tensor(logits), ran_fastbert(calls)))
+    (loss, logits, ran), (plain_loss, plain_logits, plain_ran) = results
+    assert ran and not plain_ran
+    assert_matches(loss, plain_loss, name="training loss")
+    assert_matches(logits, plain_logits, name="logits after training")
+
+
 def test_optimize_follows_device_dtype_and_train_mode():
     hf = transformers.BertModel(transformers.BertConfig(**SMALL)).eval()
     plain = copy.deepcopy(hf).to(torch.bfloat16)
