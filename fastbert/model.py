@@ -205,6 +205,8 @@ class BertOutput(BertSelfOutput):
 
 
 class BertLayer(nn.Module):
+    gradient_checkpointing = False  # recomputed in backward (BertPreTrainedModel.activation_checkpointing_enable)
+
     def __init__(self, config: BertConfig):
         super().__init__()
         self.attention = BertAttention(config)
@@ -236,24 +238,35 @@ class BertLayer(nn.Module):
         return out, probs, out_rows
 
 
+def _checkpoint(fn, *args, use_reentrant=False, offload=False, **options):
+    """torch.utils.checkpoint's checkpoint; `offload`: the inputs it keeps go to host memory meanwhile."""
+    if offload:
+        with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+            return recompute_in_backward(fn, *args, use_reentrant=use_reentrant, **options)
+    return recompute_in_backward(fn, *args, use_reentrant=use_reentrant, **options)
+
+
 class BertEncoder(nn.Module):
     def __init__(self, config: BertConfig):
         super().__init__()
         self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
-        self.gradient_checkpointing = False  # set by BertPreTrainedModel.gradient_checkpointing_enable()
+        # How a layer marked gradient_checkpointing runs (fn, layer, *inputs): torch.utils.checkpoint's
+        # checkpoint with its options, as transformers' _gradient_checkpointing_func; None: non-reentrant.
+        self.recompute_with = None
 
     def forward(self, x, attention_mask=None, output_hidden_states=False, output_attentions=False, packing=None):
         """x [B, S, H] with attention_mask, or packed [T, H] with `packing` (then states come back padded)."""
         restore = (lambda t: padding.pad(t, packing)) if packing is not None else (lambda t: t)
         hidden_states, attentions = [restore(x)] if output_hidden_states else None, [] if output_attentions else None
-        # Checkpointing keeps only each layer's input for backward and recomputes the layer there
-        # (dropout masks too: checkpoint restores the RNG state). Pointless without a backward.
-        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        # A checkpointed layer keeps only its input for backward and runs again there (dropout masks too:
+        # checkpoint restores the RNG state). Pointless without a backward.
+        recompute = self.training and torch.is_grad_enabled()
         rows = None  # x as ops.QuantizedRows, where the layer that made x quantized it for the next one
         for i, layer in enumerate(self.layer):
-            if recompute:
-                x, probs, rows = recompute_in_backward(layer, x, attention_mask, output_attentions, packing,
-                                                       use_reentrant=False)
+            if recompute and layer.gradient_checkpointing:
+                if not x.requires_grad:  # frozen embeddings: reentrant checkpoint would pass no gradient on
+                    x = x.detach().requires_grad_()
+                x, probs, rows = (self.recompute_with or _checkpoint)(layer, x, attention_mask, output_attentions, packing)
             else:
                 quantize = i + 1 < len(self.layer) and self.layer[i + 1].takes_quantized_rows()
                 x, probs, rows = layer(x, attention_mask, output_attentions, packing, rows, quantize)
@@ -341,21 +354,37 @@ class BertPreTrainedModel(nn.Module):
             self.clear_prepared_weights()
         return super().train(mode)
 
-    def gradient_checkpointing_enable(self) -> None:
-        """Trade compute for memory in training: encoder layers keep only their inputs for backward and
-        run again there (as transformers' method of the same name)."""
-        for module in self.modules():
-            if isinstance(module, BertEncoder):
-                module.gradient_checkpointing = True
+    supports_gradient_checkpointing = True  # what sentence-transformers asks before enabling it
 
-    def gradient_checkpointing_disable(self) -> None:
-        for module in self.modules():
-            if isinstance(module, BertEncoder):
-                module.gradient_checkpointing = False
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs: dict | None = None,
+                                        every_n_layers: int = 1, offload: bool = False) -> None:
+        """Trade compute for memory in training: encoder layers 0, n, 2n, ... (n = every_n_layers) keep only
+        their input for backward and run again there, through torch.utils.checkpoint.checkpoint with
+        `activation_checkpointing_kwargs` (use_reentrant=False unless given); `offload` keeps those inputs in
+        host memory. As transformers' method of the same name (its Trainer calls it)."""
+        if isinstance(every_n_layers, bool) or not isinstance(every_n_layers, int) or every_n_layers < 1:
+            raise ValueError(f"every_n_layers must be a positive int, got {every_n_layers!r}")
+        options = dict(activation_checkpointing_kwargs or {})
+        for encoder in (m for m in self.modules() if isinstance(m, BertEncoder)):
+            encoder.recompute_with = functools.partial(_checkpoint, offload=bool(offload), **options)
+            for i, layer in enumerate(encoder.layer):
+                layer.gradient_checkpointing = i % every_n_layers == 0
+
+    def activation_checkpointing_disable(self) -> None:
+        for layer in self.modules():
+            if isinstance(layer, BertLayer):
+                layer.gradient_checkpointing = False
 
     @property
-    def is_gradient_checkpointing(self) -> bool:
-        return any(isinstance(m, BertEncoder) and m.gradient_checkpointing for m in self.modules())
+    def is_activation_checkpointing(self) -> bool:
+        return any(isinstance(m, BertLayer) and m.gradient_checkpointing for m in self.modules())
+
+    # transformers 4's names
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None, **kwargs) -> None:
+        self.activation_checkpointing_enable(gradient_checkpointing_kwargs, **kwargs)
+
+    gradient_checkpointing_disable = activation_checkpointing_disable
+    is_gradient_checkpointing = is_activation_checkpointing
 
     @classmethod
     def from_pretrained(cls, directory, dtype: torch.dtype | None = None, **kwargs):

@@ -409,19 +409,23 @@ def test_layers_added_or_removed_later_are_run_as_transformers_runs_them():
         assert_matches(a[real], plain(ids, attention_mask=mask).last_hidden_state[real], name=change)
 
 
-def test_gradient_checkpointing_reaches_the_encoder():
+def test_activation_checkpointing_reaches_the_encoder():
     hf = transformers.BertModel(transformers.BertConfig(**SMALL)).train()
     plain = copy.deepcopy(hf)
     fastbert.optimize(hf)
-    hf.gradient_checkpointing_enable()
-    runs = []
-    hf._fastbert_encoder.encoder.layer[0].register_forward_pre_hook(lambda *_: runs.append(1))
+    hf.activation_checkpointing_enable(every_n_layers=2)  # layer 0 of 2; as transformers' Trainer calls it
+    runs = [0, 0]
+    for i, layer in enumerate(hf._fastbert_encoder.encoder.layer):
+        layer.register_forward_pre_hook(lambda *_, i=i: runs.__setitem__(i, runs[i] + 1))
     ids = torch.randint(1, 120, (2, 7))
     for model in (hf, plain):
         out = model(ids)
         (out.last_hidden_state.sum() + out.pooler_output.sum()).backward()
-    assert len(runs) == 2  # the forward, and its recomputation in backward (which stops early: a pre-hook)
+    assert runs == [2, 1]  # layer 0: the forward and its recomputation in backward; layer 1 once
     assert_same_gradients(hf, plain)
+    hf.activation_checkpointing_disable()
+    hf(ids).last_hidden_state.sum().backward()
+    assert runs == [3, 2]
 
 
 def test_a_4d_mask_goes_to_transformers():

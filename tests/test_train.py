@@ -15,7 +15,7 @@ from fastbert import testing
 from fastbert.apps import data, train
 from fastbert.__main__ import main
 from fastbert.testing import assert_matches
-from hf_twins import twins
+from hf_twins import padded_batch, twins
 from training_data import small_tokenizer, sentiment_rows, write_corpus, write_csv, write_jsonl
 
 # A small BERT over the small tokenizer's vocabulary (about 60 tokens).
@@ -127,23 +127,39 @@ def masked_batch(vocab_size, batch_size, seq, seed=0):
             "labels": labels, "next_sentence_label": torch.randint(0, 2, (batch_size,), generator=g)}
 
 
+CHECKPOINTING = {  # (enable, every n-th layer recomputed), as transformers' methods of these names take them
+    "every layer": (lambda m: m.activation_checkpointing_enable(), 1),
+    "every 2nd, reentrant": (lambda m: m.activation_checkpointing_enable({"use_reentrant": True}, every_n_layers=2), 2),
+    "offloaded": (lambda m: m.activation_checkpointing_enable(offload=True), 1),
+    "transformers 4 name": (lambda m: m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False}), 1),
+}
+
+
+@pytest.mark.parametrize("enable,every", CHECKPOINTING.values(), ids=CHECKPOINTING.keys())
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_gradient_checkpointing_gives_the_same_gradients(dropout):
+def test_gradient_checkpointing_gives_the_same_gradients(dropout, enable, every):
     cfg = fastbert.BertConfig(vocab_size=100, **SMALL, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
     model = fastbert.BertForPreTraining(cfg).train()
     batch = masked_batch(100, 4, 16)
     grads = {}
     for checkpointing in (False, True):
         if checkpointing:
-            model.gradient_checkpointing_enable()
-        assert model.is_gradient_checkpointing == checkpointing
+            enable(model)
+            runs = [0] * len(model.bert.encoder.layer)
+            for i, layer in enumerate(model.bert.encoder.layer):
+                layer.register_forward_pre_hook(lambda *_, i=i: runs.__setitem__(i, runs[i] + 1))
+        assert model.is_gradient_checkpointing == model.is_activation_checkpointing == checkpointing
         model.zero_grad()
         torch.manual_seed(0)  # the same dropout masks; checkpointing replays them in the recomputation
         train.pretraining_loss(model, batch, train.step_counts(batch)).backward()
         grads[checkpointing] = {n: p.grad.clone() for n, p in model.named_parameters()}
     assert_same_gradients(grads[True], grads[False])
+    assert runs == [2 if i % every == 0 else 1 for i in range(len(runs))]  # checkpointed layers run again
     model.gradient_checkpointing_disable()
     assert not model.is_gradient_checkpointing
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="every_n_layers"):
+            model.activation_checkpointing_enable(every_n_layers=bad)
 
 
 def test_gradient_checkpointing_keeps_less_for_backward():
@@ -513,3 +529,29 @@ def test_bad_arguments_fail_clearly(tmp_path, corpus):
     (tmp_path / "latin1.txt").write_bytes(b"caf\xe9 au lait\n\nanother one\n")
     with pytest.raises(ValueError, match="latin1.txt is not UTF-8 text \\(byte 0xe9"):
         run(*pretrain_args((str(tmp_path / "latin1.txt"), corpus[1]), tmp_path / "e"))
+
+
+def test_a_transformers_trainer_trains_a_fastbert_model_with_activation_checkpointing(tmp_path):
+    """transformers' Trainer with activation_checkpointing=True calls activation_checkpointing_enable(kwargs,
+    every_n_layers=, offload=) on the model: fastbert's takes them, and the losses are those without it."""
+    pytest.importorskip("accelerate")  # the Trainer needs it
+    torch.manual_seed(0)
+    cfg = fastbert.BertConfig(vocab_size=120, num_labels=3, **SMALL)
+    ids, mask, types = padded_batch(120, [12, 9, 4, 1, 7, 12, 3, 5])
+    rows = [dict(input_ids=i, attention_mask=m, token_type_ids=t, labels=int(l))
+            for i, m, t, l in zip(ids, mask, types, torch.randint(0, 3, (8,)))]
+    start = fastbert.BertForSequenceClassification(cfg).state_dict()
+    losses = []
+    for checkpointing in (False, True):
+        model = fastbert.BertForSequenceClassification(cfg)
+        model.load_state_dict(start)
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / str(checkpointing)), max_steps=3, per_device_train_batch_size=4, optim="sgd",
+            learning_rate=0.1, report_to=[], save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
+            logging_strategy="no", activation_checkpointing=checkpointing,
+            activation_checkpointing_kwargs={"use_reentrant": False, "every_n_layers": 2})
+        with fastbert.dispatch.record() as calls:
+            losses.append(torch.tensor(transformers.Trainer(model=model, args=args, train_dataset=rows).train().training_loss))
+        assert any(op in ("attention", "varlen_attention") and backend != "reference" for op, backend in calls)
+        assert [layer.gradient_checkpointing for layer in model.bert.encoder.layer] == [checkpointing, False]
+    assert_matches(losses[1], losses[0], name="training loss with activation checkpointing")

@@ -234,13 +234,14 @@ def clear_prepared_weights(model: torch.nn.Module) -> None:
             module.__dict__["_fastbert_tree"] = ((), None, ())  # no model's settings are None: the next call rebuilds
 
 
-def checkpointing(hf_bert) -> bool:
-    """transformers' gradient_checkpointing_enable() is on (its flag's name since 5.x first: reading the
-    old one warns on every call)."""
-    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
-        if hasattr(type(hf_bert), name):
-            return bool(getattr(hf_bert, name))
-    return False
+def follow_checkpointing(hf_bert, ours) -> None:
+    """transformers' activation_checkpointing_enable() marks its layers (every one, or every n-th) and gives
+    them its checkpoint function (kwargs, offload): fastbert's layers take the same marks and function."""
+    function = None
+    for mine, theirs in zip(ours.encoder.layer, hf_bert.encoder.layer):
+        mine.gradient_checkpointing = bool(getattr(theirs, "gradient_checkpointing", False))
+        function = function or (mine.gradient_checkpointing and getattr(theirs, "_gradient_checkpointing_func", None))
+    ours.encoder.recompute_with = function or None
 
 
 class OptimizedForward:
@@ -281,9 +282,7 @@ class OptimizedForward:
 
         ours.train(hf_bert.training)
         padded = id(hf_bert) in getattr(_reading_pads, "models", ())
-        # gradient_checkpointing_enable() marks transformers' layers (every one, or every n-th): fastbert's
-        # encoder then recomputes every layer in backward, the same numbers.
-        ours.encoder.gradient_checkpointing = checkpointing(hf_bert)
+        follow_checkpointing(hf_bert, ours)
         out = ours(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
                    output_hidden_states=raw_setting("output_hidden_states", False),
                    output_attentions=setting("output_attentions", False), allow_unpadding=not padded)
