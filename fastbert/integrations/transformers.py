@@ -237,11 +237,14 @@ def clear_prepared_weights(model: torch.nn.Module) -> None:
 def follow_checkpointing(hf_bert, ours) -> None:
     """transformers' activation_checkpointing_enable() marks its layers (every one, or every n-th) and gives
     them its checkpoint function (kwargs, offload): fastbert's layers take the same marks and function."""
-    function = None
-    for mine, theirs in zip(ours.encoder.layer, hf_bert.encoder.layer):
-        mine.gradient_checkpointing = bool(getattr(theirs, "gradient_checkpointing", False))
-        function = function or (mine.gradient_checkpointing and getattr(theirs, "_gradient_checkpointing_func", None))
-    ours.encoder.recompute_with = function or None
+    function, encoder = None, ours.encoder
+    for mine, theirs in zip(encoder.layer, hf_bert.encoder.layer):
+        marked = bool(getattr(theirs, "gradient_checkpointing", False))
+        if mine.gradient_checkpointing != marked:  # a Module's setattr costs ~1 us: once per change
+            mine.gradient_checkpointing = marked
+        function = function or (marked and getattr(theirs, "_gradient_checkpointing_func", None))
+    if encoder.recompute_with is not (function or None):
+        encoder.recompute_with = function or None
 
 
 class OptimizedForward:
