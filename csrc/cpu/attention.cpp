@@ -224,6 +224,7 @@ Batch describe(const at::Tensor& q, const std::optional<at::Tensor>& key_mask,
     TORCH_CHECK(q.dim() == 3 && cu_seqlens.has_value(), "attention: varlen needs [T, heads, d] and cu_seqlens");
     auto cu = cu_seqlens->to(at::kLong).contiguous();
     const int64_t* c = cu.data_ptr<int64_t>();
+    TORCH_CHECK(cu.numel() >= 1 && c[0] >= 0, "attention: cu_seqlens must start at 0 or later");
     b.sequences = cu.numel() - 1;
     b.heads = q.size(1);
     for (int64_t i = 0; i < b.sequences; ++i) {
@@ -766,7 +767,8 @@ void forward_with(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         for (int64_t r = 0; r < nq; ++r) {
           const float l = row_sum[r];
           store_row(op + lo.at(i, s0, h, qb + r), O.data() + r * d, d, l > 0.f ? 1.f / l : 0.f);
-          lp[ll.at(i, s0, h, qb + r)] = l > 0.f ? row_max[r] + std::log(l) : kInf;
+          // no kept key: +inf (backward's probabilities 0); a NaN score stays NaN (backward's gradients too)
+          lp[ll.at(i, s0, h, qb + r)] = l > 0.f ? row_max[r] + std::log(l) : std::isnan(l) ? l : kInf;
         }
       }
     }
@@ -962,6 +964,14 @@ void backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, 
   backward_with<T, Fp32Gradients<T>>(grad, q, k, v, lse, b, scale, dropout, dq, dk, dv);
 }
 
+// lse: one float32 per query row and head, [B, heads, S] or [heads, T], contiguous.
+void check_lse(const at::Tensor& q, const at::Tensor& lse) {
+  const int64_t rows = q.dim() == 4 ? q.size(0) * q.size(1) * q.size(2) : q.size(0) * q.size(1);
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.numel() == rows,
+              "attention: lse must be contiguous float32 with one value per query row and head (", rows, "), got ",
+              lse.sizes());
+}
+
 void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   for (const auto* t : {&q, &k, &v}) {
     TORCH_CHECK(t->dim() == 3 || t->dim() == 4, "attention: q, k, v must be [B, heads, S, d] or [T, heads, d]");
@@ -982,7 +992,7 @@ void attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   check_inputs(q, k, v);
   TORCH_CHECK(out.sizes() == q.sizes() && out.stride(-1) == 1 && out.scalar_type() == q.scalar_type(),
               "attention: out must match q");
-  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous(), "attention: lse must be contiguous float32");
+  check_lse(q, lse);
   const Batch b = describe(q, key_mask, cu_seqlens);
   if (q.scalar_type() == at::kFloat) forward<float>(q, k, v, b, (float)scale, dropout, out, lse);
   else if (q.scalar_type() == at::kBFloat16) forward<at::BFloat16>(q, k, v, b, (float)scale, dropout, out, lse);
@@ -1004,7 +1014,7 @@ void bf16_forward(const char* name, const char* needs, const at::Tensor& q, cons
               q.size(-1), " and K row stride ", layout_of(k).row);
   TORCH_CHECK(out.sizes() == q.sizes() && out.stride(-1) == 1 && out.scalar_type() == q.scalar_type(),
               "attention: out must match q");
-  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous(), "attention: lse must be contiguous float32");
+  check_lse(q, lse);
   forward_with<at::BFloat16, Products>(q, k, v, describe(q, key_mask, cu_seqlens), (float)scale, dropout, out, lse);
 }
 #endif
@@ -1046,6 +1056,7 @@ void attention_bwd(const at::Tensor& grad, const at::Tensor& q, const at::Tensor
   for (const auto* t : {&grad, &out, &dq, &dk, &dv})
     TORCH_CHECK(t->sizes() == q.sizes() && t->stride(-1) == 1 && t->scalar_type() == q.scalar_type(),
                 "attention: grad, out, dq, dk, dv must match q");
+  check_lse(q, lse);
   const Batch b = describe(q, key_mask, cu_seqlens);
   if (q.scalar_type() == at::kFloat) backward<float>(grad, q, k, v, lse, b, (float)scale, dropout, dq, dk, dv);
   else if (q.scalar_type() == at::kBFloat16)
@@ -1064,6 +1075,7 @@ void attention_bwd_brgemm(const at::Tensor& grad, const at::Tensor& q, const at:
   for (const auto* t : {&grad, &out, &dq, &dk, &dv})
     TORCH_CHECK(t->sizes() == q.sizes() && t->stride(-1) == 1 && t->scalar_type() == q.scalar_type(),
                 "attention: grad, out, dq, dk, dv must match q");
+  check_lse(q, lse);
   TORCH_CHECK(q.scalar_type() == at::kBFloat16, "attention_bwd_brgemm: bfloat16 only, got ", q.scalar_type());
   TORCH_CHECK(BrgemmGradients::serves(q.size(-1), layout_of(q).row, layout_of(grad).row),
               "attention_bwd_brgemm: needs an even head dim and even q and grad row strides");

@@ -149,7 +149,8 @@ CXX = SPEC.kernels("cxx", _cxx_forward, _cxx_backward, by_device)
 def _even_rows(t: torch.Tensor) -> torch.Tensor:
     """t with an even row stride (rows of [B, heads, S, d] or [T, heads, d]): brgemm's kernels read its rows
     as bfloat16 pairs."""
-    return t if t.stride(0 if t.dim() == 3 else 2) % 2 == 0 else t.contiguous()
+    # clone, not contiguous(): torch calls a tensor contiguous whatever the strides of its size-1 dims
+    return t if t.stride(0 if t.dim() == 3 else 2) % 2 == 0 else t.clone(memory_format=torch.contiguous_format)
 
 
 def _brgemm_forward(q, k, v, key_mask, cu_seqlens, max_seqlen, scale, dropout_p, seed, kernel="brgemm"):

@@ -367,10 +367,47 @@ def test_cpu_nan_key_gives_nan_not_zeros(dtype, variant, blas, monkeypatch):
     monkeypatch.setenv("FASTBERT_CPU_BLAS", blas)
     q, k, v = (torch.randn(2, 2, 40, 64).to(dtype) for _ in range(3))
     k[0, 1, 17, 5] = float("nan")
-    with dispatch.use_backend("cpu", op="attention"), dispatch.use_variant("attention", variant):
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    with dispatch.use_backend("cpu", op="attention"), dispatch.use_variant("attention", variant), \
+            dispatch.record() as calls:
         out = ops.attention(q, k, v)
+        out.sum().backward()
+    assert_ran([c for c in calls if c[0] == "attention"], "attention", "cpu")
     assert bool(out[0, 1].isnan().all()), f"{int(out[0, 1].isnan().sum())} of {out[0, 1].numel()} outputs are NaN"
     assert bool(out[0, 0].isfinite().all() and out[1].isfinite().all())
+    # The saved logsumexp is NaN too, not +inf (a row with no kept key): with +inf the backward took every
+    # probability for 0 and gave V's gradient zeros beside the NaN key's row.
+    assert bool(v.grad[0, 1].isnan().all()), f"{int(v.grad[0, 1].isnan().sum())} of {v.grad[0, 1].numel()} are NaN"
+    assert bool(v.grad[0, 0].isfinite().all() and v.grad[1].isfinite().all())
+
+
+def test_cpu_kernel_refuses_offsets_and_lse_that_would_write_out_of_bounds():
+    """The registered C++ op checks what torch.compile's graphs pass unchecked (the Python value checks are
+    eager only): cu_seqlens starting below 0 wrote rows before out's start, an lse of the wrong size was
+    written or read past its end."""
+    q, k, v = (torch.randn(8, 2, 16) for _ in range(3))
+    out, lse = torch.empty_like(q), torch.empty(2, 8)
+    with pytest.raises(RuntimeError, match="cu_seqlens must start at 0"):
+        torch.ops.fastbert_C.attention_fwd(q, k, v, None, torch.tensor([-4, 3, 8]), 0.25, 0.0, 0, out, lse)
+    with pytest.raises(RuntimeError, match="lse must be"):
+        torch.ops.fastbert_C.attention_fwd(q, k, v, None, torch.tensor([0, 3, 8]), 0.25, 0.0, 0, out, torch.empty(2, 4))
+    grads = [torch.empty_like(q) for _ in range(3)]
+    with pytest.raises(RuntimeError, match="lse must be"):
+        torch.ops.fastbert_C.attention_bwd(torch.randn_like(q), q, k, v, out, torch.empty(1), None,
+                                           torch.tensor([0, 3, 8]), 0.25, 0.0, 0, *grads)
+
+
+def test_cpu_brgemm_takes_odd_row_strides_beside_size_one_dims():
+    """A [1, 1, 1, d] K sliced from rows of d + 1: torch calls it contiguous whatever its strides, so
+    contiguous() kept the odd row stride brgemm's pair layout refuses (it raised)."""
+    skip_unless_variant("attention", "brgemm", torch.bfloat16)
+    base = torch.randn(3, 1, 1, 1, 65).to(torch.bfloat16)
+    q, k, v = (base[i, ..., :64] for i in range(3))
+    with dispatch.use_backend("cpu", op="attention"), dispatch.use_variant("attention", "brgemm"), \
+            dispatch.record() as calls:
+        out = ops.attention(q, k, v)
+    assert_ran(calls, "attention", "cpu")
+    assert_close(out, reference.attention(*(t.double() for t in (q, k, v))), torch.bfloat16, "matmul", name="out")
 
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["padded", "varlen"])
