@@ -299,14 +299,18 @@ struct Fp32Products {
   Rows<T> Q, V;
   int64_t d = 0, keys = 0;
 
-  void start(const T* q, int64_t ldq, const T* k, int64_t ldk, const T* v, int64_t ldv, int64_t L, int64_t n_keys,
-             int64_t head_dim) {
+  // What scores() reads: Q's rows and K^T (the backward recomputes the scores with this alone).
+  void start_scores(const T* q, int64_t ldq, const T* k, int64_t ldk, int64_t L, int64_t n_keys, int64_t head_dim) {
     d = head_dim;
     keys = n_keys;
     Q = Rows<T>(q, ldq, L, d, qbuf);
     const Rows<T> K(k, ldk, keys, d, kbuf);
     kt.resize(std::max<size_t>(kt.size(), (size_t)(keys * d)));
     if (keys > 0) transpose(K.ptr, K.ld, keys, d, kt.data());
+  }
+  void start(const T* q, int64_t ldq, const T* k, int64_t ldk, const T* v, int64_t ldv, int64_t L, int64_t n_keys,
+             int64_t head_dim) {
+    start_scores(q, ldq, k, ldk, L, n_keys, head_dim);
     V = Rows<T>(v, ldv, keys, d, vbuf);
   }
   float pending_scale = 1.f;  // S holds the scores / this (the softmax applies it): scaled in the product
@@ -461,11 +465,14 @@ struct Bf16Products {
   static bool serves(int64_t head_dim, int64_t k_row_stride) { return head_dim % 2 == 0 && k_row_stride % 2 == 0; }
   int64_t score_stride(int64_t nk) const { return nk; }
 
-  void start(const c10::BFloat16* q_rows, int64_t q_stride, const c10::BFloat16* k, int64_t ldk,
-             const c10::BFloat16* v, int64_t ldv, int64_t /*rows: Q is read in place*/, int64_t key_count,
-             int64_t head_dim) {
+  void start_scores(const c10::BFloat16* q_rows, int64_t q_stride, const c10::BFloat16* k, int64_t ldk,
+                    int64_t /*rows: Q is read in place*/, int64_t key_count, int64_t head_dim) {
     q = q_rows, ldq = q_stride, d = head_dim, keys = key_count;
     pairs_along_d(k, ldk, keys, d, kt);
+  }
+  void start(const c10::BFloat16* q_rows, int64_t q_stride, const c10::BFloat16* k, int64_t ldk,
+             const c10::BFloat16* v, int64_t ldv, int64_t rows, int64_t key_count, int64_t head_dim) {
+    start_scores(q_rows, q_stride, k, ldk, rows, key_count, head_dim);
     pairs_along_rows(v, ldv, keys, d, vp);
   }
   bool scores(int64_t qb, int64_t nq, int64_t kb, int64_t nk, float scale, float* S, float* row_max) {
@@ -485,7 +492,7 @@ struct Bf16Products {
 };
 
 // Each row's maximum of the unscaled scores S [rows x cols] (row stride ld), the scale left to the softmax
-// where it is positive (max(x) * scale is the scaled maximum, rounding included; the exp's FMA applies it),
+// where it is positive (max(x) * scale is the scaled maximum, rounding included; the exp's product applies it),
 // else applied here. Returns the scale still pending.
 float row_maxima(float* S, int64_t ld, int64_t rows, int64_t cols, float scale, float* row_max) {
   const bool leave = scale > 0.f && std::isfinite(scale);
@@ -743,8 +750,11 @@ void forward_with(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
             for_blocks(nk, [&](int64_t j, int64_t m) {
               VecF a, b;
               load2(s + j, m, a, b);
-              a = fast_exp<T>(at::vec::fmadd(a, vpending, VecF(-m_new)));
-              b = fast_exp<T>(at::vec::fmadd(b, vpending, VecF(-m_new)));
+              // The product rounded before the subtraction, as for the maximum: an FMA's exact product
+              // puts the row's top score up to half an ulp of it above m_new (exp of +1e22 at scores
+              // of 1e30), and the backward takes its scores rounded too.
+              a = fast_exp<T>(a * vpending - VecF(m_new));
+              b = fast_exp<T>(b * vpending - VecF(m_new));
               if (m < kBlock) {  // lanes past nk loaded zeros, whose exp is not 0
                 a = VecF::set(VecF(0.f), a, std::min(m, kHalf));
                 b = VecF::set(VecF(0.f), b, std::max<int64_t>(m - kHalf, 0));
@@ -775,9 +785,17 @@ void forward_with(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   });
 }
 
-template <typename T>
-void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Batch& b, float scale,
-             const Dropout& dropout, const at::Tensor& out, const at::Tensor& lse) {
+template <typename P>
+struct Kind {
+  using type = P;
+};
+
+// Calls f(Kind<Products>{}) with the forward's products for T. The backward takes its scores from the
+// same ones: exp(s - lse) must see the forward's s bit for bit, for where the scores are large (a custom
+// scale, an outlier query), another summation order is off by an ulp of |s|, and that ulp is the
+// probability's relative error in the exponent (dV 4% off at a score of 1e6, NaN gradients at 1e30).
+template <typename T, typename F>
+void with_forward_products(const Batch& b, const at::Tensor& k, F&& f) {
 #ifdef FASTBERT_AVX512_BF16
   // bfloat16 products wherever the forward runs on the micro-kernel (FASTBERT_CPU_BLAS=1: fp32 BLAS);
   // FASTBERT_CPU_BF16_DOT=0 keeps the micro-kernel on fp32 copies (as a build without avx512_bf16 does).
@@ -785,31 +803,44 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
     const char* env = std::getenv("FASTBERT_CPU_BF16_DOT");
     const bool dot = env == nullptr || env[0] != '0';
     if (dot && blas_sgemm(kForward) == nullptr && Bf16Products::serves(b.d, layout_of(k).row))
-      return forward_with<T, Bf16Products>(q, k, v, b, scale, dropout, out, lse);
+      return f(Kind<Bf16Products>{});
   }
 #endif
-  forward_with<T, Fp32Products<T>>(q, k, v, b, scale, dropout, out, lse);
+  f(Kind<Fp32Products<T>>{});
 }
 
-// The backward's products on fp32 rows (bfloat16 storage converted once per task), by gemm(). Tiles are
-// transposed (key rows x query columns): P^T, dP^T, dS^T.
 template <typename T>
+void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Batch& b, float scale,
+             const Dropout& dropout, const at::Tensor& out, const at::Tensor& lse) {
+  with_forward_products<T>(b, k, [&](auto kind) {
+    forward_with<T, typename decltype(kind)::type>(q, k, v, b, scale, dropout, out, lse);
+  });
+}
+
+// The backward's products on fp32 rows (bfloat16 storage converted once per task), by gemm(), but for
+// the scores, which come from the forward's products (Scores). Tiles are transposed (key rows x query
+// columns): P^T, dP^T, dS^T.
+template <typename T, typename Scores>
 struct Fp32Gradients {
-  std::vector<float> qbuf, kbuf, vbuf, gbuf, scratch;
+  std::vector<float> qbuf, kbuf, vbuf, gbuf, S, scratch;
   Rows<T> Q, K, V, dO;
+  Scores forward;
   int64_t d = 0;
 
   void start(const T* q, int64_t ldq, const T* k, int64_t ldk, const T* v, int64_t ldv, const T* g, int64_t ldg,
              int64_t L, int64_t keys, int64_t head_dim) {
     d = head_dim;
+    forward.start_scores(q, ldq, k, ldk, L, keys, head_dim);
     Q = Rows<T>(q, ldq, L, d, qbuf);
     K = Rows<T>(k, ldk, keys, d, kbuf);
     V = Rows<T>(v, ldv, keys, d, vbuf);
     dO = Rows<T>(g, ldg, L, d, gbuf);
   }
-  // St [nk x nq] = scale * K[kb:] Q[qb:]^T
+  // St [nk x nq] = scale * K[kb:] Q[qb:]^T, as the forward's S [nq x nk] transposed
   void scores(int64_t kb, int64_t nk, int64_t qb, int64_t nq, float scale, float* St) {
-    gemm(kBackward, false, true, nk, nq, d, K.row(kb), K.ld, Q.row(qb), Q.ld, St, nq, scale, false, scratch);
+    S.resize(std::max<size_t>(S.size(), (size_t)(nq * nk)));
+    forward.scores(qb, nq, kb, nk, scale, S.data(), nullptr);
+    transpose(S.data(), nk, nq, nk, St);
   }
   // dPt [nk x nq] = V[kb:] dO[qb:]^T
   void probability_grads(int64_t kb, int64_t nk, int64_t qb, int64_t nq, float* dPt) {
@@ -961,7 +992,9 @@ template <typename T>
 void backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               const at::Tensor& lse, const Batch& b, float scale, const Dropout& dropout,
               const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv) {
-  backward_with<T, Fp32Gradients<T>>(grad, q, k, v, lse, b, scale, dropout, dq, dk, dv);
+  with_forward_products<T>(b, k, [&](auto kind) {
+    backward_with<T, Fp32Gradients<T, typename decltype(kind)::type>>(grad, q, k, v, lse, b, scale, dropout, dq, dk, dv);
+  });
 }
 
 // lse: one float32 per query row and head, [B, heads, S] or [heads, T], contiguous.

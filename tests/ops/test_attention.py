@@ -381,6 +381,32 @@ def test_cpu_nan_key_gives_nan_not_zeros(dtype, variant, blas, monkeypatch):
     assert bool(v.grad[0, 0].isfinite().all() and v.grad[1].isfinite().all())
 
 
+@pytest.mark.parametrize("blas", [None, "0", "1"], ids=["default", "micro-kernel", "blas"])
+@pytest.mark.parametrize("variant", ["fastbert", "brgemm", "amx"])
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("scores", ["outlier-query", "custom-scale"])
+def test_cpu_backward_recomputes_the_forwards_scores_bit_for_bit(scores, dtype, variant, blas, monkeypatch):
+    """Large scores where the scale rounds (1/sqrt(40), or scale=1e8): the backward's P = exp(s - lse) is
+    only right if s is the forward's s to the bit, for an ulp of |s| is P's error in the exponent. Scores
+    from another summation order (BLAS in the backward, the micro-kernel in the forward) gave dV 9% off
+    at a score of 1e6 and NaN q and k gradients from 1e8; an exponent with the product unrounded (an FMA)
+    against a rounded maximum gave the brgemm forward exp(+1e22), NaN outputs."""
+    skip_unless_variant("attention", variant, dtype)
+    if blas is None:
+        monkeypatch.delenv("FASTBERT_CPU_BLAS", raising=False)
+    else:
+        monkeypatch.setenv("FASTBERT_CPU_BLAS", blas)
+    d = 40 if scores == "outlier-query" else 64
+    q, k, v = (torch.randn(2, 2, 40, d) for _ in range(3))
+    kwargs = {}
+    if scores == "outlier-query":
+        q[1, 0, 5, 3] = 1e6  # that row's scores ~1e6: one-hot, the rest of the batch as usual
+    else:
+        kwargs["scale"] = 1e8
+    with dispatch.use_variant("attention", variant):
+        compare_cpu(ATTENTION, [leaf(q, dtype), leaf(k, dtype), leaf(v, dtype)], kwargs)
+
+
 def test_cpu_kernel_refuses_offsets_and_lse_that_would_write_out_of_bounds():
     """The registered C++ op checks what torch.compile's graphs pass unchecked (the Python value checks are
     eager only): cu_seqlens starting below 0 wrote rows before out's start, an lse of the wrong size was
