@@ -52,6 +52,22 @@ struct RowQuantization {
   int32_t* zero_point;
 };
 
+// A row's mean and (biased) variance in double, two passes over h as h_at(j, m, h0, h1) gives it.
+template <typename HAt>
+std::pair<double, double> moments_in_double(const HAt& h_at, int64_t n) {
+  std::vector<float> h(n);
+  for_blocks(n, [&](int64_t j, int64_t m) {
+    VecF h0, h1;
+    h_at(j, m, h0, h1);
+    store2(h.data() + j, m, h0, h1);
+  });
+  double sum = 0.0, squares = 0.0;
+  for (const float v : h) sum += v;
+  const double mean = sum / n;
+  for (const float v : h) squares += (v - mean) * (v - mean);
+  return {mean, squares / n};
+}
+
 // One pass for the statistics, one for the output; x and residual are re-read (from L1) rather than h
 // being stored, and weight and bias are converted once per thread. The sums are taken around `shift`,
 // about the mean of the row's first block (kBlock = 32 elements with AVX-512, 16 with AVX2): for an
@@ -115,7 +131,16 @@ void forward(const T* x, const T* res, const T* w, const T* b, T* y, float* mean
         mean += correction;
         var = around_mean - correction * correction;
       }
-      const float rstd = 1.f / std::sqrt(std::max(var, 0.f) + eps);
+      float rstd = 1.f / std::sqrt(std::max(var, 0.f) + eps);
+      if (!std::isfinite(var)) {
+        // The squares left float's range (deviations past ~1e17 in a row of 768): var came out inf - inf
+        // = NaN, or inf and rstd 0 (the row was the bias alone). LayerNorm is scale-invariant, so such a
+        // row has an ordinary answer: its moments again in double, two passes (rare rows; h's own NaN or
+        // inf still gives NaN).
+        const auto [m, v] = moments_in_double(h_at, n);
+        mean = static_cast<float>(m);
+        rstd = static_cast<float>(1.0 / std::sqrt(std::max(v, 0.0) + eps));
+      }
       mean_out[r] = mean;
       rstd_out[r] = rstd;
       const VecF vmean(mean), vrstd(rstd);

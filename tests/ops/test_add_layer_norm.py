@@ -160,6 +160,22 @@ def test_offset_rows(dtype, n):
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES, ids=dtype_id)
+def test_rows_whose_squares_leave_float_range(dtype):
+    """LayerNorm is scale-invariant, so a row of huge but finite values has an ordinary answer. Their
+    squares pass float32's range (3.4e38) from deviations of ~1e17 in a row of 768: the cpu kernel's
+    variance came out inf - inf (one element at 1e21: the row NaN, and grad_weight NaN for the batch) or
+    inf (a row scaled by 1e18: rstd 0, the row equal to the bias)."""
+    n = 768
+    x, residual = torch.randn(4, n), torch.randn(4, n)
+    x[1, 7] = 1e21
+    x[2] *= 1e18
+    residual[2] *= 1e18
+    x[3, 0] = -3e37  # the first element (the kernel's shift) far from the rest
+    out, _ = compare_cpu(SPEC, ln_args(x, residual, dtype, n))
+    assert bool(torch.isfinite(out).all())
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=dtype_id)
 def test_single_feature(dtype):
     """A LayerNorm over one feature: the output is bias whatever x is, so the gradients of x, residual and
     weight are zero in exact arithmetic; the kernel's must be rounding-noise sized (below the grad floor)."""
