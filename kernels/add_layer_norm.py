@@ -68,6 +68,12 @@ def _add_layer_norm_forward_kernel(
     centered = tl.where(mask, h - mean, 0.0)
     var = tl.sum(centered * centered, axis=0) / n_cols
     rstd = 1.0 / tl.sqrt(var + eps)
+    if var == float("inf"):
+        # The squares left fp32's range (deviations past ~1e17 in a row of 768), and rstd came out 0: the row
+        # was the bias alone. LayerNorm is scale-invariant: the sum again on the deviations times 2^-72 (exact;
+        # what underflows is negligible beside a deviation that overflowed, and so is eps).
+        small = centered * 2.117582368135751e-22
+        rstd = 2.117582368135751e-22 / tl.sqrt(tl.sum(small * small, axis=0) / n_cols)
 
     w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(B_ptr + cols, mask=mask, other=0.0).to(tl.float32)

@@ -87,7 +87,22 @@ __global__ void __launch_bounds__(1024)
     }
   }
   const float var = row_sum<kWarpRows>(sq, scratch) / n;
-  const float rstd = 1.f / sqrtf(var + eps);
+  float rstd = 1.f / sqrtf(var + eps);
+  if (var == INFINITY) {  // the same in every thread of the row: the reductions below stay uniform
+    // The squares left fp32's range (deviations past ~1e17 in a row of 768), and rstd came out 0: the row
+    // was the bias alone. LayerNorm is scale-invariant: the sum again on the deviations times 2^-72
+    // (exact; what underflows is negligible beside a deviation that overflowed, and so is eps).
+    constexpr float kDown = 0x1p-72f;
+    float small = 0.f;
+#pragma unroll
+    for (int k = 0; k < kCols; ++k) {
+      if (lane + k * tpr < n) {
+        const float d = (h[k] - mean) * kDown;
+        small += d * d;
+      }
+    }
+    rstd = kDown / sqrtf(row_sum<kWarpRows>(small, scratch) / n);
+  }
   if (lane == 0) {
     mean_out[r] = mean;
     rstd_out[r] = rstd;

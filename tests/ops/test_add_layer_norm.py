@@ -7,10 +7,10 @@ import torch
 from fastbert import dispatch, ops
 from fastbert.ops import reference
 from fastbert.testing import assert_close, assert_ran, grad_floor, poison_outputs, upcast
-from grids import DTYPES, device_for, skip_unless_runnable
+from grids import DTYPES, KERNEL_BACKENDS, device_for, skip_unless_runnable
 from harness import (CPU_DTYPES, HIDDEN, SEEDS, SMALL_HIDDEN, Case, OpCheck, Spec, assert_independent,
-                     assert_keep_rate, bad_input_test, check_with_mask, compare_cpu, cpu_keep_mask, dtype_id,
-                     emulated_cuda_parity_test, leaf,
+                     assert_keep_rate, bad_input_test, check_parity, check_with_mask, compare_cpu, cpu_keep_mask, dtype_id,
+                     compare_with_reference, emulated_cuda_parity_test, forward_backward, leaf,
                      needs_cpu_kernels, needs_cuda, opcheck_test, parity_tests, randn, seed_tensor, st)
 
 
@@ -159,20 +159,26 @@ def test_offset_rows(dtype, n):
     assert bool(torch.isfinite(out).all())
 
 
-@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=dtype_id)
-def test_rows_whose_squares_leave_float_range(dtype):
-    """LayerNorm is scale-invariant, so a row of huge but finite values has an ordinary answer. Their
-    squares pass float32's range (3.4e38) from deviations of ~1e17 in a row of 768: the cpu kernel's
-    variance came out inf - inf (one element at 1e21: the row NaN, and grad_weight NaN for the batch) or
-    inf (a row scaled by 1e18: rstd 0, the row equal to the bias)."""
-    n = 768
+def huge_rows(dtype, device="cpu", n=768):
+    """LayerNorm is scale-invariant, so rows of huge but finite values have an ordinary answer; their
+    squared deviations pass float32's range (3.4e38) from ~1e17 in a row of 768: one element at 1e21 (the
+    cpu kernel's variance came out inf - inf, the row and the batch's grad_weight NaN), a row scaled by
+    1e18 (variance inf, rstd 0: the cpu, Triton and CUDA kernels returned the bias alone), a first element
+    (the cpu kernel's shift) far from the rest. Float32 and bfloat16 (float16 cannot hold them)."""
     x, residual = torch.randn(4, n), torch.randn(4, n)
     x[1, 7] = 1e21
     x[2] *= 1e18
     residual[2] *= 1e18
-    x[3, 0] = -3e37  # the first element (the kernel's shift) far from the rest
-    out, _ = compare_cpu(SPEC, ln_args(x, residual, dtype, n))
-    assert bool(torch.isfinite(out).all())
+    x[3, 0] = -3e37
+    return [a.to(device) if isinstance(a, torch.Tensor) else a for a in ln_args(x, residual, dtype, n)]
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=dtype_id)
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_rows_whose_squares_leave_float_range(backend, dtype):
+    device = skip_unless_runnable("add_layer_norm", backend, dtype)
+    outs = check_parity(SPEC, backend, dtype, huge_rows(dtype, device), {})
+    assert bool(torch.isfinite(outs[0]).all())
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES, ids=dtype_id)
@@ -481,6 +487,13 @@ def _emulated_public(library, spec):
 
 # csrc/cuda/add_layer_norm.cu under the CPU emulator (tests/emulated_cuda.py): its logic on every machine.
 test_emulated_cuda_parity = emulated_cuda_parity_test((SPEC,), _emulated_public)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=dtype_id)
+def test_emulated_cuda_rows_whose_squares_leave_float_range(emulated_cuda_library, dtype):
+    args = huge_rows(dtype)
+    outs, grads, grad_outs = forward_backward(_emulated_public(emulated_cuda_library, SPEC), args, {})
+    compare_with_reference(SPEC, dtype, args, {}, outs, grads, grad_outs)
 
 
 @pytest.mark.parametrize("n", [24, 768, 1000])
