@@ -2,7 +2,9 @@
 
 Forward: one program per (query block, head, sequence) walks the key blocks with an online softmax in
 fp32 (base-2 exponent: the scale carries log2(e)) and stores the output and the logsumexp of each
-query row (natural log; +inf for a row with no kept key, whose output is zeros). Backward recomputes
+query row (base 2, as the exponents are: a round trip through the natural log moved it by an ulp of the
+row's top score, and at large scores that ulp is the probabilities' error in the exponent, NaN gradients
+at scale=1e8; +inf for a row with no kept key, whose output is zeros). Backward recomputes
 the probabilities from q, k and the logsumexp, never storing an S x S matrix: one kernel per query
 block first takes delta = rowsum(P * dP) over the key blocks, then accumulates dQ over them again;
 then one kernel per key block accumulates dK and dV over the query blocks (no atomics: deterministic).
@@ -129,7 +131,7 @@ def _attention_fwd_kernel(
     O += b * stride_ob + h * stride_oh + start * stride_os
     tl.store(O + rows[:, None] * stride_os + dims[None, :] * stride_od, out.to(O.dtype.element_ty),
              mask=row_ok[:, None] & dim_ok[None, :])
-    lse = tl.where(kept, (m_i + tl.log2(tl.where(kept, l_i, 1.0))) * 0.6931471805599453, float("inf"))
+    lse = tl.where(kept, m_i + tl.log2(tl.where(kept, l_i, 1.0)), float("inf"))
     tl.store(LSE + b * stride_lb + h * stride_lh + (start + rows) * stride_ls, lse, mask=row_ok)
 
 
@@ -201,7 +203,7 @@ def _attention_bwd_dkdv_kernel(
         q_mask = row_ok[:, None] & dim_ok[None, :]
         q = tl.load(Q + rows[:, None] * stride_qs + dims[None, :] * stride_qd, mask=q_mask, other=0.0)
         do = tl.load(DO + rows[:, None] * stride_gs + dims[None, :] * stride_gd, mask=q_mask, other=0.0)
-        lse = tl.load(LSE + rows * stride_ls, mask=row_ok, other=float("inf")) * 1.4426950408889634
+        lse = tl.load(LSE + rows * stride_ls, mask=row_ok, other=float("inf"))
         delta = tl.load(DELTA + rows * stride_ls, mask=row_ok, other=0.0)
         ds_rest = tl.load(DS_REST + rows * stride_ls, mask=row_ok, other=0.0)
         dom = tl.load(DOMINANT + rows * stride_ls, mask=row_ok, other=-1)
@@ -290,7 +292,7 @@ def _attention_bwd_dq_kernel(
     q = tl.load(Q + rows[:, None] * stride_qs + dims[None, :] * stride_qd, mask=q_mask, other=0.0)
     do = tl.load(DO + rows[:, None] * stride_gs + dims[None, :] * stride_gd, mask=q_mask, other=0.0)
     lse_at = b * stride_lb + h * stride_lh + (start + rows) * stride_ls
-    lse = tl.load(LSE + lse_at, mask=row_ok, other=float("inf")) * 1.4426950408889634
+    lse = tl.load(LSE + lse_at, mask=row_ok, other=float("inf"))
     K += b * stride_kb + h * stride_kh + start * stride_ks
     V += b * stride_vb + h * stride_vh + start * stride_vs
 

@@ -381,30 +381,49 @@ def test_cpu_nan_key_gives_nan_not_zeros(dtype, variant, blas, monkeypatch):
     assert bool(v.grad[0, 0].isfinite().all() and v.grad[1].isfinite().all())
 
 
+LARGE_SCORES = ["outlier-query", "custom-scale"]
+
+
+def large_scores(scores, dtype, device="cpu"):
+    """Large scores where the scale rounds (1/sqrt(40), or scale=1e8): the backward's P = exp(s - lse) is
+    only right if s and lse are the forward's to the bit, for an ulp of |s| is P's error in the exponent.
+    (args, kwargs) for ATTENTION."""
+    d = 40 if scores == "outlier-query" else 64
+    q, k, v = (torch.randn(2, 2, 40, d) for _ in range(3))
+    kwargs = {"attention_mask": None, "scale": None}
+    if scores == "outlier-query":
+        q[1, 0, 5, 3] = 1e6  # that row's scores ~1e6: one-hot, the rest of the batch as usual
+    else:
+        kwargs["scale"] = 1e8
+    return [leaf(t, dtype).to(device) for t in (q, k, v)], kwargs
+
+
 @pytest.mark.parametrize("blas", [None, "0", "1"], ids=["default", "micro-kernel", "blas"])
 @pytest.mark.parametrize("variant", ["fastbert", "brgemm", "amx"])
 @pytest.mark.parametrize("dtype", CPU_DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("scores", ["outlier-query", "custom-scale"])
+@pytest.mark.parametrize("scores", LARGE_SCORES)
 def test_cpu_backward_recomputes_the_forwards_scores_bit_for_bit(scores, dtype, variant, blas, monkeypatch):
-    """Large scores where the scale rounds (1/sqrt(40), or scale=1e8): the backward's P = exp(s - lse) is
-    only right if s is the forward's s to the bit, for an ulp of |s| is P's error in the exponent. Scores
-    from another summation order (BLAS in the backward, the micro-kernel in the forward) gave dV 9% off
-    at a score of 1e6 and NaN q and k gradients from 1e8; an exponent with the product unrounded (an FMA)
-    against a rounded maximum gave the brgemm forward exp(+1e22), NaN outputs."""
+    """Scores from another summation order (BLAS in the backward, the micro-kernel in the forward) gave
+    dV 9% off at a score of 1e6 and NaN q and k gradients from 1e8; an exponent with the product unrounded
+    (an FMA) against a rounded maximum gave the brgemm forward exp(+1e22), NaN outputs."""
     skip_unless_variant("attention", variant, dtype)
     if blas is None:
         monkeypatch.delenv("FASTBERT_CPU_BLAS", raising=False)
     else:
         monkeypatch.setenv("FASTBERT_CPU_BLAS", blas)
-    d = 40 if scores == "outlier-query" else 64
-    q, k, v = (torch.randn(2, 2, 40, d) for _ in range(3))
-    kwargs = {}
-    if scores == "outlier-query":
-        q[1, 0, 5, 3] = 1e6  # that row's scores ~1e6: one-hot, the rest of the batch as usual
-    else:
-        kwargs["scale"] = 1e8
+    args, kwargs = large_scores(scores, dtype)
     with dispatch.use_variant("attention", variant):
-        compare_cpu(ATTENTION, [leaf(q, dtype), leaf(k, dtype), leaf(v, dtype)], kwargs)
+        compare_cpu(ATTENTION, args, kwargs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES[:1] + DTYPES[2:], ids=dtype_id)  # float16 cannot hold the scores
+@pytest.mark.parametrize("scores", LARGE_SCORES)
+@pytest.mark.parametrize("backend", [b for b in KERNEL_BACKENDS if b != "cpu"])
+def test_backward_recomputes_the_forwards_scores_bit_for_bit(backend, scores, dtype):
+    """Triton's logsumexp went through the natural log and back to base 2 between the passes (NaN
+    gradients at scale=1e8)."""
+    device = skip_unless_runnable("attention", backend, dtype)
+    check_parity(ATTENTION, backend, dtype, *large_scores(scores, dtype, device))
 
 
 def test_cpu_kernel_refuses_offsets_and_lse_that_would_write_out_of_bounds():
@@ -1004,6 +1023,13 @@ def test_emulated_cuda_dominant_keys_across_key_tiles(emulated, head_dim):
     q = 4.0 * k[:, :, target] + 0.1 * torch.randn(b, h, s, head_dim)
     args = [t.requires_grad_() for t in (q, k, torch.randn(b, h, s, head_dim))]
     kwargs = {"attention_mask": None, "scale": None}
+    outs, grads, grad_outs = forward_backward(_as_public(emulated, ATTENTION), args, kwargs)
+    compare_with_reference(ATTENTION, torch.float32, args, kwargs, outs, grads, grad_outs)
+
+
+@pytest.mark.parametrize("scores", LARGE_SCORES)
+def test_emulated_cuda_backward_recomputes_the_forwards_scores_bit_for_bit(emulated, scores):
+    args, kwargs = large_scores(scores, torch.float32)
     outs, grads, grad_outs = forward_backward(_as_public(emulated, ATTENTION), args, kwargs)
     compare_with_reference(ATTENTION, torch.float32, args, kwargs, outs, grads, grad_outs)
 
