@@ -75,8 +75,9 @@ def _head_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     """t as the kernels read it in place (the head dim contiguous, rows that do not overlap), else a dense
     copy: an expanded gradient (stride 0) or rows closer than d made BLAS refuse its leading dimension and
     the backward return garbage. `.contiguous()` would keep the odd strides of a tensor torch calls
-    contiguous (an empty one, or size-1 dims)."""
-    if t.stride(-1) == 1 and _rows_apart(t):
+    contiguous (an empty one, or size-1 dims). The row stride is BLAS's leading dimension, so it must be
+    d or more even where there is one row (a [B, heads, 1, d] transposed from [B, heads, d, 1])."""
+    if t.stride(-1) == 1 and _rows_apart(t) and t.stride(2 if t.dim() == 4 else 0) >= t.shape[-1]:
         return t
     return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
 

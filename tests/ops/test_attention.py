@@ -455,6 +455,19 @@ def test_cpu_brgemm_takes_odd_row_strides_beside_size_one_dims():
     assert_close(out, reference.attention(*(t.double() for t in (q, k, v))), torch.bfloat16, "matmul", name="out")
 
 
+@pytest.mark.parametrize("blas", ["0", "1"], ids=["micro-kernel", "blas"])
+def test_cpu_one_row_with_a_row_stride_below_d(blas, monkeypatch, capfd):
+    """[B, heads, 1, d] transposed from [B, heads, d, 1]: one row, its stride 1. The backward handed that
+    stride to sgemm as a leading dimension below d (MKL printed "Parameter 8 was incorrect on entry to
+    SGEMM" and skipped the product; right only because one key gives q and k no gradient)."""
+    skip_unless_variant("attention", "fastbert", torch.float32)
+    monkeypatch.setenv("FASTBERT_CPU_BLAS", blas)
+    q, k, v = (torch.randn(2, 3, 64, 1).transpose(2, 3) for _ in range(3))
+    with dispatch.use_variant("attention", "fastbert"):
+        compare_cpu(ATTENTION, [leaf(t, torch.float32) for t in (q, k, v)])
+    assert "incorrect on entry" not in capfd.readouterr().out
+
+
 @pytest.mark.parametrize("varlen", [False, True], ids=["padded", "varlen"])
 @pytest.mark.parametrize("dtype", CPU_DTYPES, ids=dtype_id)
 def test_cpu_expanded_and_overlapping_rows(dtype, varlen):
