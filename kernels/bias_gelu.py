@@ -41,7 +41,8 @@ def _gelu_grad(z, TANH: tl.constexpr):
     if TANH:
         u = SQRT_2_PI * (z + TANH_CUBIC * z * z * z)
         s = tl.sigmoid(2.0 * u)  # = (1 + tanh u) / 2; (1 - tanh^2 u) / 2 = 2 s (1 - s)
-        return s + z * 2.0 * s * (1.0 - s) * SQRT_2_PI * (1.0 + 3.0 * TANH_CUBIC * z * z)
+        slope = 2.0 * s * (1.0 - s)  # 0 where s saturates; z^2 is inf past |z| ~ 1.8e19: 0, not 0 * inf = NaN
+        return s + tl.where(slope == 0.0, 0.0, z * slope * SQRT_2_PI * (1.0 + 3.0 * TANH_CUBIC * z * z))
     else:
         cdf = 0.5 * (1.0 + tl.erf(z * SQRT_1_2))
         pdf = tl.exp(-0.5 * z * z) * INV_SQRT_2PI

@@ -40,7 +40,9 @@ inline VecF gelu_grad(const VecF& x, bool tanh_form) {
     VecF x2 = x * x;
     VecF t = (VecF(kTanhScale) * (x + VecF(kTanhCubic) * x2 * x)).tanh();
     VecF dinner = VecF(kTanhScale) * (one + VecF(3.f * kTanhCubic) * x2);
-    return half * (one + t) + half * x * (one - t * t) * dinner;
+    // Past |x| ~ 1.8e19 x^2 is inf where 1 - t^2 is 0: the term is 0 wherever 1 - t^2 is (not 0 * inf = NaN).
+    const VecF sech2 = one - t * t;
+    return half * (one + t) + VecF::blendv(half * x * sech2 * dinner, VecF(0.f), sech2 == VecF(0.f));
   }
   VecF cdf = half * one_plus_erf<T>(x);
   VecF pdf = VecF(kInvSqrt2Pi) * (VecF(-0.5f) * x * x).exp();

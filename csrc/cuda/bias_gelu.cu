@@ -40,7 +40,9 @@ __device__ __forceinline__ float gelu_grad(float x, bool tanh_form) {
     const float x2 = x * x;
     const float t = tanhf(kTanhScale * (x + kTanhCubic * x2 * x));
     const float dinner = kTanhScale * (1.f + 3.f * kTanhCubic * x2);
-    return 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * dinner;
+    // Past |x| ~ 1.8e19 x^2 is inf where 1 - t^2 is 0: the term is 0 wherever 1 - t^2 is (not 0 * inf = NaN).
+    const float sech2 = 1.f - t * t;
+    return 0.5f * (1.f + t) + (sech2 == 0.f ? 0.f : 0.5f * x * sech2 * dinner);
   }
   const float cdf = 0.5f * (1.f + erff(x * kInvSqrt2));
   const float pdf = kInvSqrt2Pi * expf(-0.5f * x * x);

@@ -6,8 +6,10 @@ import torch
 from fastbert import ops
 from fastbert.ops import reference
 from fastbert.testing import assert_close, poison_outputs, tolerance, upcast
-from harness import (CPU_DTYPES, HIDDEN, SEEDS, SMALL_HIDDEN, Case, OpCheck, Spec, bad_input_test, compare_cpu,
-                     dtype_id, emulated_cuda_parity_test, leaf, needs_cuda, opcheck_test, parity_tests, randn, run_cpu, st, truth)
+from grids import KERNEL_BACKENDS, skip_unless_runnable
+from harness import (CPU_DTYPES, HIDDEN, SEEDS, SMALL_HIDDEN, Case, OpCheck, Spec, bad_input_test, check_parity,
+                     compare_cpu, compare_with_reference, dtype_id, emulated_cuda_parity_test, forward_backward, leaf,
+                     needs_cuda, opcheck_test, parity_tests, randn, run_cpu, st, truth)
 
 
 def params(draw, small=False):
@@ -114,6 +116,34 @@ def test_far_below_zero_gelu_is_zero_from_below(dtype, approximate):
     out, (grad_x, _) = run_cpu(SPEC, args, {"approximate": approximate}, torch.ones(2, 128, dtype=dtype))
     assert bool((out <= 0).all()) and float(out.abs().max()) <= 1e-7, out[out.abs() > 1e-7]
     assert float(grad_x.abs().max()) <= 1e-7, grad_x[grad_x.abs() > 1e-7]
+
+
+HUGE = [2e19, 1e30, 3e38]  # x^2 (the tanh form's derivative) overflows fp32 from ~1.8e19
+
+
+def huge_inputs(dtype, device="cpu"):
+    """Finite x where GELU is x or 0 and its derivative 1 or 0, between ordinary ones (float16 cannot hold
+    them): the tanh form's derivative was 0.5 x (1 - t^2) x^2-ish = 0 * inf = NaN there (as PyTorch's is)."""
+    x = torch.randn(2, 64)
+    x[0, :6] = torch.tensor(HUGE + [-h for h in HUGE])
+    return [leaf(x, dtype).to(device), leaf(torch.randn(64), dtype).to(device)]
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=dtype_id)
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_huge_finite_inputs_give_finite_gradients(backend, dtype, approximate):
+    device = skip_unless_runnable("bias_gelu", backend, dtype)
+    outs = check_parity(SPEC, backend, dtype, huge_inputs(dtype, device), {"approximate": approximate})
+    assert bool(torch.isfinite(outs[0]).all())
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=dtype_id)
+def test_emulated_cuda_huge_finite_inputs_give_finite_gradients(emulated_cuda_library, dtype, approximate):
+    args, kwargs = huge_inputs(dtype), {"approximate": approximate}
+    outs, grads, grad_outs = forward_backward(emulated_cuda.bias_gelu_function(emulated_cuda_library), args, kwargs)
+    compare_with_reference(SPEC, dtype, args, kwargs, outs, grads, grad_outs)
 
 
 # ------------------------------------------------------------------------------ cuda (csrc/cuda)
