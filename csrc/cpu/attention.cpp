@@ -515,7 +515,7 @@ float row_maxima(float* S, int64_t ld, int64_t rows, int64_t cols, float scale, 
 // The same two products on ATen's batch-reduce GEMM (at::native::cpublas::brgemm: oneDNN's ukernel, on
 // AMX tiles where the CPU has them, AVX-512 otherwise), as torch's own CPU flash attention runs them.
 // Bf16Products' layouts are what it reads as "VNNI" B: K^T as pairs along d, V as pairs along keys.
-// brgemm has no alpha: a positive scale is left to the softmax's exp (an FMA there instead of a pass
+// brgemm has no alpha: a positive scale is left to the softmax's exp (a product there instead of a pass
 // over S), any other is applied after. Each thread releases the tile state when done.
 struct BrgemmProducts : Bf16Products {
   ~BrgemmProducts() { at::native::cpublas::brgemm_release(true); }

@@ -404,7 +404,7 @@ def large_scores(scores, dtype, device="cpu"):
 @pytest.mark.parametrize("scores", LARGE_SCORES)
 def test_cpu_backward_recomputes_the_forwards_scores_bit_for_bit(scores, dtype, variant, blas, monkeypatch):
     """Scores from another summation order (BLAS in the backward, the micro-kernel in the forward) gave
-    dV 9% off at a score of 1e6 and NaN q and k gradients from 1e8; an exponent with the product unrounded
+    dV 4% off at a score of 1e6 and NaN q and k gradients from 1e8; an exponent with the product unrounded
     (an FMA) against a rounded maximum gave the brgemm forward exp(+1e22), NaN outputs."""
     skip_unless_variant("attention", variant, dtype)
     if blas is None:
