@@ -131,7 +131,9 @@ def _attention_fwd_kernel(
     O += b * stride_ob + h * stride_oh + start * stride_os
     tl.store(O + rows[:, None] * stride_os + dims[None, :] * stride_od, out.to(O.dtype.element_ty),
              mask=row_ok[:, None] & dim_ok[None, :])
-    lse = tl.where(kept, m_i + tl.log2(tl.where(kept, l_i, 1.0)), float("inf"))
+    # +inf marks a row with no kept key (the backward's probabilities 0); a NaN score keeps lse NaN, and
+    # so NaN gradients (with +inf V's came back zeros beside the NaN).
+    lse = tl.where(kept, m_i + tl.log2(tl.where(kept, l_i, 1.0)), tl.where(l_i != l_i, l_i, float("inf")))
     tl.store(LSE + b * stride_lb + h * stride_lh + (start + rows) * stride_ls, lse, mask=row_ok)
 
 

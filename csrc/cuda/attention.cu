@@ -103,10 +103,17 @@ __device__ __forceinline__ int64_t lse_index(const AttentionBatch& b, const Seq&
   return b.cu_seqlens ? h * b.tokens + s.start + r : (s.i * b.heads + h) * b.tokens + r;
 }
 
+// max that keeps a NaN (fmaxf drops it: a row of NaN scores then looked all masked and gave zeros).
+__device__ __forceinline__ float nan_max(float a, float b) { return a != a || b != b ? a + b : fmaxf(a, b); }
+
+// A score, or -inf at a masked key: selected, not added (a NaN or inf there plus -inf is NaN, and reached
+// every row of the head).
+__device__ __forceinline__ float masked(float score, float bias) { return bias < 0.f ? bias : score; }
+
 // Over the 16 threads that own a row (one half-warp).
 __device__ __forceinline__ float row_max(float v) {
 #pragma unroll
-  for (int o = 8; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  for (int o = 8; o > 0; o >>= 1) v = nan_max(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
 
@@ -241,10 +248,10 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(Params p) {
       float mx = -kInf;
 #pragma unroll
       for (int j = 0; j < CJ; ++j) {
-        sc[i][j] = sc[i][j] * p.scale + sBias[tx + 16 * j];
-        mx = fmaxf(mx, sc[i][j]);
+        sc[i][j] = masked(sc[i][j] * p.scale, sBias[tx + 16 * j]);
+        mx = nan_max(mx, sc[i][j]);
       }
-      const float m_new = fmaxf(m[i], row_max(mx));
+      const float m_new = nan_max(m[i], row_max(mx));
       const bool none = m_new == -kInf;  // every key so far is masked: nothing to add
       const float correction = none ? 1.f : expf(m[i] - m_new);  // 0 on the first kept tile
       m[i] = m_new;
@@ -269,7 +276,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(Params p) {
   for (int i = 0; i < RI; ++i) {
     const float sum = row_sum(l[i]);
     const int64_t r = q0 + ty + 16 * i;
-    if (tx == 0 && r < s.length) p.lse[lse_index(p.batch, s, h, r)] = sum > 0.f ? m[i] + logf(sum) : kInf;
+    if (tx == 0 && r < s.length) p.lse[lse_index(p.batch, s, h, r)] = sum > 0.f ? m[i] + logf(sum) : sum != sum ? sum : kInf;
     l[i] = sum > 0.f ? 1.f / sum : 0.f;
 #pragma unroll
     for (int c = 0; c < DJ; ++c) o[i][c] *= l[i];
@@ -298,7 +305,7 @@ __device__ void probs_and_grads(const Params& p, const Seq& s, int64_t h, int64_
 #pragma unroll
   for (int i = 0; i < RI; ++i)
 #pragma unroll
-    for (int j = 0; j < CJ; ++j) pr[i][j] = expf(pr[i][j] * p.scale + sBias[tx + 16 * j] - lse[i]);
+    for (int j = 0; j < CJ; ++j) pr[i][j] = expf(masked(pr[i][j] * p.scale, sBias[tx + 16 * j]) - lse[i]);
   __syncthreads();  // sKV takes V
   load_tile<T, D, N>(sKV, row_ptr<T>(p.v, s, h, kb), p.v.row, nk, d);
   __syncthreads();
@@ -453,7 +460,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Params p) {
 #pragma unroll
       for (int i = 0; i < RI; ++i)
 #pragma unroll
-        for (int j = 0; j < CJ; ++j) pr[i][j] = expf(pr[i][j] * p.scale + bias[i] - sLse[tx + 16 * j]);
+        for (int j = 0; j < CJ; ++j) pr[i][j] = expf(masked(pr[i][j] * p.scale, bias[i]) - sLse[tx + 16 * j]);
       __syncthreads();  // sQG takes dO
       load_tile<T, D, N>(sQG, row_ptr<T>(p.grad, s, h, qb), p.grad.row, nq, d);
       __syncthreads();

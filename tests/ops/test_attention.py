@@ -1047,6 +1047,46 @@ def test_emulated_cuda_backward_recomputes_the_forwards_scores_bit_for_bit(emula
     compare_with_reference(ATTENTION, torch.float32, args, kwargs, outs, grads, grad_outs)
 
 
+def check_nan_confined_and_kept(attention):
+    """`attention(q, k, v, mask)` -> out. A NaN in a query row gives that row NaN (not zeros: a max that
+    dropped the NaN took the row for all masked); a NaN in a masked key changes nothing (added to the mask's
+    -inf it was NaN for the whole head); a NaN in a kept key gives V's gradient NaN for its whole head (a
+    saved lse of +inf, the no-kept-key mark, gave zeros beside it)."""
+    q, k, v = (torch.randn(2, 2, 5, 16) for _ in range(3))
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    mask[0, 1] = False
+    q[0, 0, 2, 7] = float("nan")
+    k[0, 0, 1, :] = float("nan")  # a masked key
+    k[1, 1, 3, 4] = float("nan")  # a kept key
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    with poison_outputs():
+        out = attention(q, k, v, mask)
+        out.backward(torch.randn(out.shape))
+    nan_rows = out.isnan().any(-1)
+    expected = torch.zeros_like(nan_rows)
+    expected[0, 0, 2] = True
+    expected[1, 1] = True
+    assert torch.equal(nan_rows, expected), f"NaN rows {nan_rows.nonzero().tolist()}"
+    assert bool(v.grad[1, 1].isnan().all()), f"{int(v.grad[1, 1].isnan().sum())} of {v.grad[1, 1].numel()} NaN"
+    assert bool(v.grad[0, 1].isfinite().all() and v.grad[1, 0].isfinite().all())
+
+
+def test_triton_nan_confined_and_kept():
+    skip_unless_runnable("attention", "triton", torch.float32)
+
+    def attention(q, k, v, mask):
+        with dispatch.use_backend("triton", op="attention"), dispatch.record() as calls:
+            out = ops.attention(q, k, v, mask)
+        assert_ran(calls, "attention", "triton")
+        return out
+
+    check_nan_confined_and_kept(attention)
+
+
+def test_emulated_cuda_nan_confined_and_kept(emulated):
+    check_nan_confined_and_kept(lambda q, k, v, mask: emulated(q, k, v, mask, None, 0.25, 0.0, 0))
+
+
 def test_emulated_cuda_two_tied_dominant_keys(emulated):
     check_two_tied_dominant_keys(_as_public(emulated, ATTENTION))
 
