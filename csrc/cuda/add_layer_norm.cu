@@ -77,7 +77,13 @@ __global__ void __launch_bounds__(1024)
       s += h[k];
     }
   }
-  const float mean = row_sum<kWarpRows>(s, scratch) / n;
+  float mean = row_sum<kWarpRows>(s, scratch) / n;
+  if (fabsf(mean) == INFINITY) {  // the row's sum left fp32's range (a row of ~1e36): summed again scaled by 2^-72
+    float small = 0.f;
+#pragma unroll
+    for (int k = 0; k < kCols; ++k) small += h[k] * 0x1p-72f;  // h is 0 past the row
+    mean = row_sum<kWarpRows>(small, scratch) / n * 0x1p72f;
+  }
   float sq = 0.f;
 #pragma unroll
   for (int k = 0; k < kCols; ++k) {

@@ -164,12 +164,13 @@ def huge_rows(dtype, device="cpu", n=768):
     squared deviations pass float32's range (3.4e38) from ~1e17 in a row of 768: one element at 1e21 (the
     cpu kernel's variance came out inf - inf, the row and the batch's grad_weight NaN), a row scaled by
     1e18 (variance inf, rstd 0: the cpu, Triton and CUDA kernels returned the bias alone), a first element
-    (the cpu kernel's shift) far from the rest. Float32 and bfloat16 (float16 cannot hold them)."""
-    x, residual = torch.randn(4, n), torch.randn(4, n)
+    (the cpu kernel's shift) far from the rest, a row of ~1e36 whose sum leaves float range. Float32 and bfloat16 (float16 cannot hold them)."""
+    x, residual = torch.randn(5, n), torch.randn(5, n)
     x[1, 7] = 1e21
     x[2] *= 1e18
     residual[2] *= 1e18
     x[3, 0] = -3e37
+    x[4] = (x[4].abs() + 1) * 1e36  # the row's sum itself past float range (Triton's and CUDA's mean was inf: the row NaN)
     return [a.to(device) if isinstance(a, torch.Tensor) else a for a in ln_args(x, residual, dtype, n)]
 
 
