@@ -63,6 +63,17 @@ def _key_block(K, V, KEY_MASK, b, n0, length, dims, dim_ok, stride_ks, stride_kd
 
 
 @triton.jit
+def _fp16_range(x, AXIS: tl.constexpr):
+    """Powers of two (down, up) per row (AXIS=1) or column (AXIS=0) of the float32 tile x that bring each
+    line's largest |x| below 2^15 before it is rounded to float16 for a dot product, and back after: dS
+    passes float16's 65504 (large output gradients, as fp16 loss scaling makes them) where the gradients
+    summed from it do not. Exact (exponent arithmetic); 1 for lines in range; inf and NaN stay so."""
+    top = tl.max(tl.abs(x), AXIS).to(tl.int32, bitcast=True)
+    e = tl.maximum(((top >> 23) & 0xFF) - 127 - 14, 0)
+    return ((127 - e) << 23).to(tl.float32, bitcast=True), ((127 + e) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _attention_fwd_kernel(
     Q,  # [B, heads, S, d] | [T, heads, d] queries, strides stride_q*
     K,  # keys, same shape as Q, strides stride_k*
@@ -212,20 +223,26 @@ def _attention_bwd_dkdv_kernel(
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         p = tl.exp2(tl.where(key_ok[None, :], s, float("-inf")) - lse[:, None])  # 0 for masked keys, empty rows
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # dL/d(dropped probabilities)
-        if DROPOUT:
+        if DROPOUT:  # keep_scale multiplies dV at the end: P / (1 - dropout_p) can pass float16's range
             keep = _keep(seed, b, h, rows, cols, num_heads, max_len, dropout_p)
-            dv = tl.dot(tl.trans(tl.where(keep, p * keep_scale, 0.0).to(do.dtype)), do, dv, input_precision=PRECISION)
+            dv = tl.dot(tl.trans(tl.where(keep, p, 0.0).to(do.dtype)), do, dv, input_precision=PRECISION)
             dp = tl.where(keep, dp * keep_scale, 0.0)
         else:
             dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         ds = tl.where(cols[None, :] == dom[:, None], -ds_rest[:, None], ds)  # a row's dS sums to zero: see the dQ kernel
-        dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=PRECISION)
+        if q.dtype == tl.float16:  # dK's rows are dS's columns: scaled per column
+            down, up = _fp16_range(ds, 0)
+            dk += tl.dot(tl.trans((ds * down[None, :]).to(q.dtype)), q, input_precision=PRECISION) * up[:, None]
+        else:
+            dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=PRECISION)
 
     DK += b * stride_dkb + h * stride_dkh + start * stride_dks
     DV += b * stride_dvb + h * stride_dvh + start * stride_dvs
     tl.store(DK + cols[:, None] * stride_dks + dims[None, :] * stride_dkd, (dk * scale).to(DK.dtype.element_ty),
              mask=kv_mask)
+    if DROPOUT:
+        dv = dv * keep_scale
     tl.store(DV + cols[:, None] * stride_dvs + dims[None, :] * stride_dvd, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
@@ -326,12 +343,20 @@ def _attention_bwd_dq_kernel(
         k, p, dp = _probs_and_grads(q, do, lse, K, V, KEY_MASK, SEED, b, h, rows, n0, length, dims, dim_ok,
                                     stride_ks, stride_kd, stride_vs, stride_vd, stride_mb, stride_ms, num_heads,
                                     max_len, qk_scale, dropout_p, keep_scale, HAS_MASK, DROPOUT, BLOCK_N, PRECISION)
-        ds = (p * (dp - delta[:, None])).to(k.dtype)
+        ds = p * (dp - delta[:, None])
+        if k.dtype == tl.float16:  # dQ's rows are dS's rows: scaled per row
+            down, up = _fp16_range(ds, 1)
+            ds_low = (ds * down[:, None]).to(k.dtype)
+            dq += tl.dot(ds_low, k, input_precision=PRECISION) * up[:, None]
+            ds = ds_low.to(tl.float32) * up[:, None]  # the values the product used, for the dK kernel's correction
+        else:
+            ds = ds.to(k.dtype)
+            dq = tl.dot(ds, k, dq, input_precision=PRECISION)
+            ds = ds.to(tl.float32)
         dominant = (n0 + tl.arange(0, BLOCK_N))[None, :] == dom[:, None]
-        dq = tl.dot(ds, k, dq, input_precision=PRECISION)
         k_dom = tl.dot(dominant.to(k.dtype), k, k_dom, input_precision=PRECISION)
-        ds_total += tl.sum(ds.to(tl.float32), 1)
-        ds_dom += tl.sum(tl.where(dominant, ds.to(tl.float32), 0.0), 1)
+        ds_total += tl.sum(ds, 1)
+        ds_dom += tl.sum(tl.where(dominant, ds, 0.0), 1)
     dq -= ds_total[:, None] * k_dom
     tl.store(DS_REST + lse_at, ds_total - ds_dom, mask=row_ok)
 

@@ -426,6 +426,30 @@ def test_backward_recomputes_the_forwards_scores_bit_for_bit(backend, scores, dt
     check_parity(ATTENTION, backend, dtype, *large_scores(scores, dtype, device))
 
 
+def large_score_gradients(dtype, device="cpu"):
+    """(args, kwargs, grad_outs) for ATTENTION where dS = P (dP - rowsum(P dP)) passes float16's 65504 (output
+    gradients ~1e4 on values ~10, 4 keys) while every gradient summed from it stays ~100 (q and k ~1e-3)."""
+    q, k = (torch.randn(2, 2, 4, 64) * 1e-3 for _ in range(2))
+    v, g = torch.randn(2, 2, 4, 64) * 10, (torch.randn(2, 2, 4, 64) * 1e4).clamp(-6e4, 6e4)
+    p = torch.softmax(q.double() @ k.double().transpose(-1, -2) / 8, -1)
+    dp = g.double() @ v.double().transpose(-1, -2)
+    assert float((p * (dp - (p * dp).sum(-1, keepdim=True))).abs().max()) > 65504
+    return [leaf(t, dtype).to(device) for t in (q, k, v)], {"attention_mask": None, "scale": None}, [g.to(dtype).to(device)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_score_gradients_past_float16s_range(backend, dtype):
+    """Triton rounded dS to float16 for its dQ and dK products: past 65504 it was inf, q and k gradients NaN."""
+    device = skip_unless_runnable("attention", backend, dtype)
+    args, kwargs, grad_outs = large_score_gradients(dtype, device)
+    with dispatch.use_backend(backend, op="attention"), poison_outputs(), dispatch.record() as calls:
+        outs, grads, _ = forward_backward(ATTENTION.public, args, kwargs, grad_outs)
+    assert_ran(calls, "attention", backend)
+    assert_ran(calls, "attention.backward", backend)
+    compare_with_reference(ATTENTION, dtype, args, kwargs, outs, grads, grad_outs)
+
+
 def test_cpu_kernel_refuses_offsets_and_lse_that_would_write_out_of_bounds():
     """The registered C++ op checks what torch.compile's graphs pass unchecked (the Python value checks are
     eager only): cu_seqlens starting below 0 wrote rows before out's start, an lse of the wrong size was
@@ -1045,6 +1069,13 @@ def test_emulated_cuda_backward_recomputes_the_forwards_scores_bit_for_bit(emula
     args, kwargs = large_scores(scores, torch.float32)
     outs, grads, grad_outs = forward_backward(_as_public(emulated, ATTENTION), args, kwargs)
     compare_with_reference(ATTENTION, torch.float32, args, kwargs, outs, grads, grad_outs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_emulated_cuda_score_gradients_past_float16s_range(emulated, dtype):
+    args, kwargs, grad_outs = large_score_gradients(dtype)
+    outs, grads, _ = forward_backward(_as_public(emulated, ATTENTION), args, kwargs, grad_outs)
+    compare_with_reference(ATTENTION, dtype, args, kwargs, outs, grads, grad_outs)
 
 
 def check_nan_confined_and_kept(attention):
