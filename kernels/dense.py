@@ -32,8 +32,9 @@ def _gemm_epilogue_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # int64: offsets (row x stride) pass 2^31 from M = 699k rows at N = 3072, where int32 wraps
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):

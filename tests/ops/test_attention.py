@@ -434,7 +434,8 @@ def large_score_gradients(dtype, device="cpu"):
     p = torch.softmax(q.double() @ k.double().transpose(-1, -2) / 8, -1)
     dp = g.double() @ v.double().transpose(-1, -2)
     assert float((p * (dp - (p * dp).sum(-1, keepdim=True))).abs().max()) > 65504
-    return [leaf(t, dtype).to(device) for t in (q, k, v)], {"attention_mask": None, "scale": None}, [g.to(dtype).to(device)]
+    args = [leaf(t, dtype).to(device) for t in (q, k, v)]
+    return args, {"attention_mask": None, "scale": None}, [g.to(dtype).to(device)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)

@@ -255,3 +255,23 @@ def test_onednn_rows_refuses_a_wrong_out():
     with pytest.raises(RuntimeError, match="dense_onednn_rows: out must be an \\[m, n\\] tensor of x's dtype"):
         torch.ops.fastbert_C.dense_onednn_rows(torch.zeros(4, 8), torch.zeros(5, 8), None, "none", "",
                                                torch.empty(3, 5))
+
+
+def test_triton_gemm_offsets_past_two_to_the_31():
+    """The Triton GEMM's element offsets (row x row stride) past 2^31, as a [M, 3072] output has from
+    M = 699k rows: the rows sit 2^30 elements apart in x and in the output (untouched memory between them,
+    never committed), so the third row's offsets wrap in int32 (Triton passes strides below 2^31 as int32)."""
+    skip_unless_runnable("dense", "triton", torch.float16)
+    from fastbert.kernels.dense import gemm_epilogue
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    m, k, n, gap = 3, 16, 16, 2**30
+    x_buf, out_buf = (torch.empty((m - 1) * gap + k, dtype=torch.float16, device=device) for _ in range(2))
+    x, out = (buf.as_strided((m, k), (gap, 1)) for buf in (x_buf, out_buf))
+    x.copy_(torch.randn(m, k))
+    out.fill_(float("nan"))
+    weight, bias = torch.randn(n, k, device=device).half(), torch.randn(n, device=device).half()
+    gemm_epilogue(x, weight, bias, out_buf, "gelu", rows_per_group=m, stride_group=0, stride_row=gap,
+                  cols_per_part=n, cols_per_head=n, stride_part=0, stride_head=0)
+    truth = reference.dense(*upcast(x, weight, bias), activation="gelu")
+    assert_close(out, truth, torch.float16, "matmul", name="rows 2^30 elements apart")
