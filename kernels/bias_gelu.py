@@ -25,7 +25,7 @@ TANH_CUBIC = tl.constexpr(0.044715)
 
 
 @triton.jit
-def _gelu(z, TANH: tl.constexpr):
+def gelu(z, TANH: tl.constexpr):
     """gelu(z) of an fp32 block."""
     if TANH:
         # 0.5 z (1 + tanh(u)) = z * sigmoid(2u): no tanh needed, stable for any u.
@@ -36,7 +36,7 @@ def _gelu(z, TANH: tl.constexpr):
 
 
 @triton.jit
-def _gelu_grad(z, TANH: tl.constexpr):
+def gelu_grad(z, TANH: tl.constexpr):
     """d gelu(z) / dz of an fp32 block."""
     if TANH:
         u = SQRT_2_PI * (z + TANH_CUBIC * z * z * z)
@@ -70,7 +70,7 @@ def _bias_gelu_forward_kernel(
 
     x = tl.load(X_ptr + rows[:, None] * X_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     b = tl.load(B_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    y = _gelu(x + b[None, :], TANH)
+    y = gelu(x + b[None, :], TANH)
     tl.store(Y_ptr + rows[:, None] * Y_row_stride + cols[None, :], y.to(Y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -102,7 +102,7 @@ def _bias_gelu_backward_kernel(
         rows = rows.to(tl.int64)
         x = tl.load(X_ptr + rows[:, None] * X_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY_ptr + rows[:, None] * DY_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dx = dy * _gelu_grad(x + b[None, :], TANH)  # masked elements: dy = 0, so dx = 0
+        dx = dy * gelu_grad(x + b[None, :], TANH)  # masked elements: dy = 0, so dx = 0
         tl.store(DX_ptr + rows[:, None] * n_cols + cols[None, :], dx.to(DX_ptr.dtype.element_ty), mask=mask)
         db += tl.sum(dx, axis=0)
     tl.store(DB_partial_ptr + group.to(tl.int64) * n_cols + cols, db, mask=col_mask)

@@ -1,7 +1,7 @@
 """Triton GEMM with a fused epilogue: y = act(x @ w.T + b), for `dense`, and through gemm_epilogue for
 `qkv_projection` (kernels/qkv_projection.py).
 
-The epilogue adds the bias, applies GELU (erf or tanh form) and stores each output column where the
+The epilogue adds the bias, applies bias_gelu's GELU (erf or tanh form) and stores each output column where the
 caller's layout wants it: row-major [M, N] for dense, or straight into head-major q, k, v buffers for
 the QKV projection (column n of [M, 3H] is (which of q/k/v, head, dim); row m is (batch, position)),
 so no transpose or copy follows the GEMM. Accumulation is fp32; fp32 inputs use IEEE fp32 dots
@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from fastbert.kernels._launch import on_device_of
+from fastbert.kernels.bias_gelu import gelu
 
 ACTIVATIONS = {"none": 0, "gelu": 1, "gelu_tanh": 2}
 
@@ -47,11 +48,8 @@ def _gemm_epilogue_kernel(
             acc += tl.dot(x, tl.trans(w))
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    if ACTIVATION == 1:  # exact GELU
-        acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))
-    elif ACTIVATION == 2:  # tanh GELU; tanh(u) = 1 - 2 / (exp(2u) + 1)
-        u = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
-        acc = 0.5 * acc * (2.0 - 2.0 / (tl.exp(2.0 * u) + 1.0))
+    if ACTIVATION != 0:
+        acc = gelu(acc, ACTIVATION == 2)
     out_rows = (rm // rows_per_group) * stride_group + (rm % rows_per_group) * stride_row
     part = rn // cols_per_part
     within = rn % cols_per_part
