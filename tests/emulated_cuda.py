@@ -73,17 +73,18 @@ class AttentionTensor(ctypes.Structure):
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     batch, tensors, f32 = ctypes.POINTER(AttentionBatch), ctypes.POINTER(AttentionTensor), ctypes.c_float
-    lib.emulated_attention_fwd.argtypes = [ctypes.c_int, batch, tensors, ctypes.c_void_p, f32, f32, ctypes.c_uint64]
+    f64 = ctypes.c_double  # dropout_p
+    lib.emulated_attention_fwd.argtypes = [ctypes.c_int, batch, tensors, ctypes.c_void_p, f32, f64, ctypes.c_uint64]
     lib.emulated_attention_bwd_workspace_bytes.argtypes = [batch]
     lib.emulated_attention_bwd_workspace_bytes.restype = ctypes.c_size_t
     lib.emulated_attention_bwd.argtypes = [ctypes.c_int, batch, tensors, ctypes.c_void_p, ctypes.c_void_p,
-                                           ctypes.c_size_t, f32, f32, ctypes.c_uint64]
+                                           ctypes.c_size_t, f32, f64, ctypes.c_uint64]
     i64, ptr, ptrs = ctypes.c_int64, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)
-    lib.emulated_add_layer_norm_fwd.argtypes = [ctypes.c_int, ptrs, ptr, ptr, i64, i64, f32, f32, ctypes.c_uint64]
+    lib.emulated_add_layer_norm_fwd.argtypes = [ctypes.c_int, ptrs, ptr, ptr, i64, i64, f32, f64, ctypes.c_uint64]
     lib.emulated_add_layer_norm_bwd_workspace_bytes.argtypes = [i64, i64, ctypes.c_int]
     lib.emulated_add_layer_norm_bwd_workspace_bytes.restype = ctypes.c_size_t
     lib.emulated_add_layer_norm_bwd.argtypes = [ctypes.c_int, ptrs, ptr, ptr, ptr, ptr, ptr, ctypes.c_size_t, i64, i64,
-                                                f32, ctypes.c_uint64, ctypes.c_int]
+                                                f64, ctypes.c_uint64, ctypes.c_int]
     lib.emulated_bias_gelu_fwd.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, i64, ctypes.c_bool]
     lib.emulated_bias_gelu_bwd.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_bool]
     return lib

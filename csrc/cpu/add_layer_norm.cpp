@@ -234,7 +234,7 @@ void check_stats(const at::Tensor& t, int64_t rows, const char* what) {
 
 Dropout make_dropout(double p, int64_t seed) {
   TORCH_CHECK(p >= 0.0 && p < 1.0, "add_layer_norm: dropout_p must be in [0, 1), got ", p);
-  return Dropout{float(p), uint64_t(seed)};
+  return dropout_with(p, uint64_t(seed));
 }
 
 void checked_forward(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, const at::Tensor& bias,

@@ -1015,7 +1015,7 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v)
 
 Dropout make_dropout(double p, int64_t seed) {
   TORCH_CHECK(p >= 0.0 && p < 1.0, "attention: dropout_p must be in [0, 1), got ", p);
-  return Dropout{float(p), uint64_t(seed)};
+  return dropout_with(p, uint64_t(seed));
 }
 
 void attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

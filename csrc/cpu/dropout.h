@@ -28,8 +28,9 @@ FASTBERT_HD inline uint64_t mix64(uint64_t z) {  // splitmix64's finalizer
 struct Dropout {
   float p = 0.f;
   uint64_t seed = 0;
+  float keep_scale = 1.f;  // 1 / (1 - p), from p in double: dropout_with()
   FASTBERT_HD bool on() const { return p > 0.f; }
-  FASTBERT_HD float scale() const { return 1.f / (1.f - p); }
+  FASTBERT_HD float scale() const { return keep_scale; }
   // Element (row r, column j) of block (i, h): attention uses (sequence, head, query, key),
   // row-wise kernels (0, 0, row, column).
   FASTBERT_HD bool keep(int64_t i, int64_t h, int64_t r, int64_t j) const {
@@ -38,6 +39,12 @@ struct Dropout {
     return float(x >> 40) * (1.f / 16777216.f) >= p;  // a 24-bit uniform in [0, 1)
   }
 };
+
+// Dropout with probability p in [0, 1) (the caller checks). The scale is taken from p in double: p's float
+// rounding passes into 1 / (1 - p) magnified (1.3e-5 at p = 0.999), and p = 1 - 1e-8 is 1 in float.
+inline Dropout dropout_with(double p, uint64_t seed) {
+  return Dropout{float(p), seed, float(1.0 / (1.0 - p))};
+}
 
 #ifndef __CUDACC__
 // y[t] = keep(i, h, r + t * dr, j + t * dj) ? x[t] * scale() : 0 for t in [0, n): a run along a row

@@ -253,9 +253,9 @@ cudaError_t backward(const void* g, const void* x, const void* res, const void* 
   return detail::column_sum(part_b, grad_b, slots, n, stream);
 }
 
-cudaError_t check_sizes(int64_t rows, int64_t n, float dropout_p) {
+cudaError_t check_sizes(int64_t rows, int64_t n, double dropout_p) {
   if (rows < 0 || n < 0 || n > kAddLayerNormMaxN) return cudaErrorInvalidValue;
-  if (!(dropout_p >= 0.f && dropout_p < 1.f)) return cudaErrorInvalidValue;
+  if (!(dropout_p >= 0.0 && dropout_p < 1.0)) return cudaErrorInvalidValue;
   return cudaSuccess;
 }
 
@@ -263,11 +263,11 @@ cudaError_t check_sizes(int64_t rows, int64_t n, float dropout_p) {
 
 cudaError_t add_layer_norm_fwd(DType dtype, const void* x, const void* residual, const void* weight,
                                const void* bias, void* out, float* mean, float* rstd, int64_t rows, int64_t n,
-                               float eps, float dropout_p, uint64_t seed, cudaStream_t stream) {
+                               float eps, double dropout_p, uint64_t seed, cudaStream_t stream) {
   cudaError_t err = check_sizes(rows, n, dropout_p);
   if (err != cudaSuccess) return err;
   if (rows == 0 || n == 0) return cudaSuccess;
-  const Dropout dropout{dropout_p, seed};
+  const Dropout dropout = dropout_with(dropout_p, seed);
   switch (dtype) {
     case DType::kFloat32:
       return forward<float>(x, residual, weight, bias, out, mean, rstd, rows, n, eps, dropout, stream);
@@ -287,7 +287,7 @@ size_t add_layer_norm_bwd_workspace_bytes(int64_t rows, int64_t n, int sm_count)
 cudaError_t add_layer_norm_bwd(DType dtype, const void* grad, const void* x, const void* residual,
                                const void* weight, const float* mean, const float* rstd, void* grad_h,
                                void* grad_x, float* grad_weight, float* grad_bias, void* workspace,
-                               size_t workspace_bytes, int64_t rows, int64_t n, float dropout_p, uint64_t seed,
+                               size_t workspace_bytes, int64_t rows, int64_t n, double dropout_p, uint64_t seed,
                                int sm_count, cudaStream_t stream) {
   cudaError_t err = check_sizes(rows, n, dropout_p);
   if (err != cudaSuccess) return err;
@@ -297,7 +297,7 @@ cudaError_t add_layer_norm_bwd(DType dtype, const void* grad, const void* x, con
     if (err != cudaSuccess) return err;
     return cudaMemsetAsync(grad_bias, 0, size_t(n) * sizeof(float), stream);
   }
-  const Dropout dropout{dropout_p, seed};
+  const Dropout dropout = dropout_with(dropout_p, seed);
   if (dropout.on() && grad_x == nullptr) return cudaErrorInvalidValue;
   if (workspace == nullptr || workspace_bytes < add_layer_norm_bwd_workspace_bytes(rows, n, sm_count)) {
     return cudaErrorInvalidValue;

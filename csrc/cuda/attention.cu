@@ -531,7 +531,6 @@ cudaError_t run(DType dtype, bool forward, const Params& p, cudaStream_t stream)
       b.heads > 65535 || (b.key_mask != nullptr && b.cu_seqlens != nullptr)) {
     return cudaErrorInvalidValue;
   }
-  if (!(p.dropout.p >= 0.f && p.dropout.p < 1.f)) return cudaErrorInvalidValue;
   if (b.sequences == 0 || b.heads == 0 || b.tokens == 0) return cudaSuccess;
   if (grid_tiles(b) > 0x7fffffff) return cudaErrorInvalidValue;
   switch (dtype) {
@@ -552,9 +551,10 @@ int64_t lse_count(const AttentionBatch& b) {
 }  // namespace
 
 cudaError_t attention_fwd(DType dtype, const AttentionBatch& batch, AttentionTensor q, AttentionTensor k,
-                          AttentionTensor v, AttentionTensor out, float* lse, float scale, float dropout_p,
+                          AttentionTensor v, AttentionTensor out, float* lse, float scale, double dropout_p,
                           uint64_t seed, cudaStream_t stream) {
-  const Params p{batch, q, k, v, out, {}, {}, {}, {}, lse, nullptr, nullptr, nullptr, scale, Dropout{dropout_p, seed}};
+  if (!(dropout_p >= 0.0 && dropout_p < 1.0)) return cudaErrorInvalidValue;
+  const Params p{batch, q, k, v, out, {}, {}, {}, {}, lse, nullptr, nullptr, nullptr, scale, dropout_with(dropout_p, seed)};
   return run(dtype, true, p, stream);
 }
 
@@ -566,13 +566,15 @@ size_t attention_bwd_workspace_bytes(const AttentionBatch& batch) {
 cudaError_t attention_bwd(DType dtype, const AttentionBatch& batch, AttentionTensor grad, AttentionTensor q,
                           AttentionTensor k, AttentionTensor v, AttentionTensor out, const float* lse,
                           AttentionTensor dq, AttentionTensor dk, AttentionTensor dv, void* workspace,
-                          size_t workspace_bytes, float scale, float dropout_p, uint64_t seed,
+                          size_t workspace_bytes, float scale, double dropout_p, uint64_t seed,
                           cudaStream_t stream) {
-  if (workspace_bytes < attention_bwd_workspace_bytes(batch)) return cudaErrorInvalidValue;
+  if (workspace_bytes < attention_bwd_workspace_bytes(batch) || !(dropout_p >= 0.0 && dropout_p < 1.0)) {
+    return cudaErrorInvalidValue;
+  }
   float* rows = static_cast<float*>(workspace);
   const int64_t count = lse_count(batch);
   const Params p{batch, q, k, v, out, grad, dq, dk, dv, const_cast<float*>(lse) /* only read */,
-                 rows, rows + count, reinterpret_cast<int*>(rows + 2 * count), scale, Dropout{dropout_p, seed}};
+                 rows, rows + count, reinterpret_cast<int*>(rows + 2 * count), scale, dropout_with(dropout_p, seed)};
   return run(dtype, false, p, stream);
 }
 

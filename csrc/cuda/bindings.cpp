@@ -83,7 +83,7 @@ void add_layer_norm_fwd_cuda(const at::Tensor& x, const at::Tensor& residual, co
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   check_launch(cuda::add_layer_norm_fwd(dtype, x.data_ptr(), residual.data_ptr(), weight.data_ptr(),
                                                   bias.data_ptr(), out.data_ptr(), mean.data_ptr<float>(),
-                                                  rstd.data_ptr<float>(), rows, n, float(eps), float(dropout_p),
+                                                  rstd.data_ptr<float>(), rows, n, float(eps), dropout_p,
                                                   uint64_t(seed), stream),
                "add_layer_norm_fwd");
 }
@@ -121,7 +121,7 @@ void add_layer_norm_bwd_cuda(const at::Tensor& grad, const at::Tensor& x, const 
                    dtype, grad.data_ptr(), x.data_ptr(), residual.data_ptr(), weight.data_ptr(),
                    mean.data_ptr<float>(), rstd.data_ptr<float>(), grad_h.data_ptr(), drop ? grad_x.data_ptr() : nullptr,
                    grad_weight.data_ptr<float>(), grad_bias.data_ptr<float>(), bytes ? workspace.data_ptr() : nullptr,
-                   bytes, rows, n, float(dropout_p), uint64_t(seed), sm_count, stream),
+                   bytes, rows, n, dropout_p, uint64_t(seed), sm_count, stream),
                "add_layer_norm_bwd");
 }
 
@@ -209,7 +209,7 @@ void attention_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tens
   const AttnBatch a = attn_batch(q, lse, key_mask, cu_seqlens);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   check_launch(cuda::attention_fwd(a.dtype, a.batch, attn_tensor(q), attn_tensor(k), attn_tensor(v), attn_tensor(out),
-                                   lse.data_ptr<float>(), float(scale), float(dropout_p), uint64_t(seed), stream),
+                                   lse.data_ptr<float>(), float(scale), dropout_p, uint64_t(seed), stream),
                "attention_fwd");
 }
 
@@ -232,7 +232,7 @@ void attention_bwd_cuda(const at::Tensor& grad, const at::Tensor& q, const at::T
   check_launch(cuda::attention_bwd(a.dtype, a.batch, attn_tensor(grad), attn_tensor(q), attn_tensor(k), attn_tensor(v),
                                    attn_tensor(out), lse.data_ptr<float>(), attn_tensor(dq), attn_tensor(dk),
                                    attn_tensor(dv), bytes ? workspace.data_ptr() : nullptr, bytes, float(scale),
-                                   float(dropout_p), uint64_t(seed), stream),
+                                   dropout_p, uint64_t(seed), stream),
                "attention_bwd");
 }
 

@@ -23,11 +23,11 @@ enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 constexpr int64_t kAddLayerNormMaxN = 8192;
 
 // out = LayerNorm(dropout(x) + residual) * weight + bias over rows of n; mean and rstd: float32 [rows].
-// Dropout keeps element (r, j) where Dropout{dropout_p, seed}.keep(0, 0, r, j) (csrc/cpu/dropout.h),
+// Dropout keeps element (r, j) where dropout_with(dropout_p, seed).keep(0, 0, r, j) (csrc/cpu/dropout.h),
 // scaling kept values by 1 / (1 - dropout_p): the same elements as the CPU kernel.
 cudaError_t add_layer_norm_fwd(DType dtype, const void* x, const void* residual, const void* weight,
                                const void* bias, void* out, float* mean, float* rstd, int64_t rows, int64_t n,
-                               float eps, float dropout_p, uint64_t seed, cudaStream_t stream);
+                               float eps, double dropout_p, uint64_t seed, cudaStream_t stream);
 
 // Bytes of float32 scratch that add_layer_norm_bwd needs (per-block partial sums of grad_weight and
 // grad_bias); sm_count: the device's multiprocessor count (it sizes the grid).
@@ -40,7 +40,7 @@ size_t add_layer_norm_bwd_workspace_bytes(int64_t rows, int64_t n, int sm_count)
 cudaError_t add_layer_norm_bwd(DType dtype, const void* grad, const void* x, const void* residual,
                                const void* weight, const float* mean, const float* rstd, void* grad_h,
                                void* grad_x, float* grad_weight, float* grad_bias, void* workspace,
-                               size_t workspace_bytes, int64_t rows, int64_t n, float dropout_p, uint64_t seed,
+                               size_t workspace_bytes, int64_t rows, int64_t n, double dropout_p, uint64_t seed,
                                int sm_count, cudaStream_t stream);
 
 // Widest attention head: tiles are padded to 32, 64 or 128 columns.
@@ -68,10 +68,10 @@ struct AttentionBatch {
 // out = softmax(q k^T * scale, masked keys excluded) v, with dropout on the probabilities; lse: float32
 // logsumexp of the scaled scores, contiguous [B, heads, S] (padded) or [heads, T] (varlen), +inf for a
 // query row with no kept key (whose out row is zeros). Dropout keeps probability (query r, key j) of
-// head h of sequence i where Dropout{dropout_p, seed}.keep(i, h, r, j) (csrc/cpu/dropout.h), scaling
+// head h of sequence i where dropout_with(dropout_p, seed).keep(i, h, r, j) (csrc/cpu/dropout.h), scaling
 // it by 1 / (1 - dropout_p): the elements the CPU kernel keeps.
 cudaError_t attention_fwd(DType dtype, const AttentionBatch& batch, AttentionTensor q, AttentionTensor k,
-                          AttentionTensor v, AttentionTensor out, float* lse, float scale, float dropout_p,
+                          AttentionTensor v, AttentionTensor out, float* lse, float scale, double dropout_p,
                           uint64_t seed, cudaStream_t stream);
 
 // Bytes of scratch that attention_bwd needs: three values per lse entry (D = rowsum(P * dP), the row's
@@ -84,7 +84,7 @@ size_t attention_bwd_workspace_bytes(const AttentionBatch& batch);
 cudaError_t attention_bwd(DType dtype, const AttentionBatch& batch, AttentionTensor grad, AttentionTensor q,
                           AttentionTensor k, AttentionTensor v, AttentionTensor out, const float* lse,
                           AttentionTensor dq, AttentionTensor dk, AttentionTensor dv, void* workspace,
-                          size_t workspace_bytes, float scale, float dropout_p, uint64_t seed,
+                          size_t workspace_bytes, float scale, double dropout_p, uint64_t seed,
                           cudaStream_t stream);
 
 // out = gelu(x + bias), exact (erf) or, with tanh_form, the tanh approximation; bias [n].

@@ -34,6 +34,7 @@ CUDA_REASONS = dispatch.machine_reasons("cuda") or (() if torch.cuda.is_availabl
 needs_cuda = pytest.mark.skipif(bool(CUDA_REASONS), reason="cuda unavailable: " + "; ".join(CUDA_REASONS))
 needs_cpu_kernels = pytest.mark.skipif(bool(dispatch.machine_reasons("cpu")), reason="fastbert._C not built")
 CPU_DTYPES = (torch.float32, torch.bfloat16)  # what the cpu kernels' edge-case tests run (fp16 on CPU: never)
+NEARLY_ONE = 1 - 1e-8  # a dropout probability below 1 that is 1 in float32
 
 
 def dtype_id(dtype: torch.dtype) -> str:

@@ -8,7 +8,7 @@ from fastbert import dispatch, ops
 from fastbert.ops import reference
 from fastbert.testing import assert_close, assert_ran, grad_floor, poison_outputs, upcast
 from grids import DTYPES, KERNEL_BACKENDS, device_for, skip_unless_runnable
-from harness import (CPU_DTYPES, HIDDEN, SEEDS, SMALL_HIDDEN, Case, OpCheck, Spec, assert_independent,
+from harness import (CPU_DTYPES, HIDDEN, NEARLY_ONE, SEEDS, SMALL_HIDDEN, Case, OpCheck, Spec, assert_independent,
                      assert_keep_rate, bad_input_test, check_parity, check_with_mask, compare_cpu, cpu_keep_mask, dtype_id,
                      compare_with_reference, emulated_cuda_parity_test, forward_backward, leaf,
                      needs_cpu_kernels, needs_cuda, opcheck_test, parity_tests, randn, seed_tensor, st)
@@ -497,16 +497,18 @@ def test_emulated_cuda_rows_whose_squares_leave_float_range(emulated_cuda_librar
     compare_with_reference(SPEC, dtype, args, {}, outs, grads, grad_outs)
 
 
+@pytest.mark.parametrize("p", [0.25, NEARLY_ONE], ids=["p0.25", "p-1-in-float"])
 @pytest.mark.parametrize("n", [24, 768, 1000])
-def test_emulated_cuda_dropout_matches_the_cpu_kernel(emulated_cuda_library, n):
+def test_emulated_cuda_dropout_matches_the_cpu_kernel(emulated_cuda_library, n, p):
     """One seed, the same kept elements as the cpu kernel (csrc/cpu/dropout.h on both sides): float32 output
-    and every gradient agree to rounding (a different mask would be off by tens of percent)."""
+    and every gradient agree to rounding (a different mask would be off by tens of percent). A p that is 1
+    in float drops everything (CUDA refused it with a bare error)."""
     if dispatch.machine_reasons("cpu"):
         pytest.skip("; ".join(dispatch.machine_reasons("cpu")))
     function = emulated_cuda.add_layer_norm_function(emulated_cuda_library)
     g = torch.Generator().manual_seed(n)
     x, r, w, b, grad = (torch.randn(*shape, generator=g) for shape in ((6, n), (6, n), (n,), (n,), (6, n)))
-    seed, p = 77, 0.25
+    seed = 77
     results = []
     for kernel in (lambda *a: torch.ops.fastbert.add_layer_norm_cxx(*a, 1e-5, p, torch.tensor([seed]))[0],
                    lambda *a: function(*a, 1e-5, p, seed)):
@@ -516,3 +518,4 @@ def test_emulated_cuda_dropout_matches_the_cpu_kernel(emulated_cuda_library, n):
             results.append([out.detach(), *torch.autograd.grad(out, inputs, grad)])
     for i, (got, want) in enumerate(zip(results[1], results[0])):
         assert_close(got, want.double(), torch.float32, "elementwise" if i == 0 else "grad", name=f"result {i}")
+    assert results[1][1].any() == (p < NEARLY_ONE)  # x's gradient: zero where every element is dropped

@@ -10,7 +10,7 @@ from fastbert import BackendUnavailable, dispatch, ops
 from fastbert.ops import reference
 from fastbert.testing import assert_close, assert_ran, grad_floor, poison_outputs, upcast
 from grids import DTYPES, KERNEL_BACKENDS, device_for, skip_unless_runnable, skip_unless_variant
-from harness import (CPU_DTYPES, SEEDS, Case, OpCheck, Spec, assert_independent, assert_keep_rate, bad_input_test,
+from harness import (CPU_DTYPES, NEARLY_ONE, SEEDS, Case, OpCheck, Spec, assert_independent, assert_keep_rate, bad_input_test,
                      check_case, check_example, check_parity, check_with_mask, compare_cpu, compare_with_reference,
                      cpu_keep_mask, cu_seqlens, dtype_id, emulated_cuda_parity_test, forward_backward, grid, leaf,
                      needs_cpu_kernels, needs_cuda, opcheck_test, padding_mask, parity_tests, randn, seed_tensor, st,
@@ -1131,20 +1131,23 @@ def test_emulated_cuda_single_key_gives_exactly_zero_q_and_k_gradients(emulated)
     assert not dq.any() and not dk.any() and dv.any()
 
 
+@pytest.mark.parametrize("p", [0.3, NEARLY_ONE], ids=["p0.3", "p-1-in-float"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["padded", "varlen"])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
-def test_emulated_cuda_dropout_matches_the_cpu_kernel(emulated, varlen, head_dim):
+def test_emulated_cuda_dropout_matches_the_cpu_kernel(emulated, varlen, head_dim, p):
     """One seed, the same kept probabilities as the cpu kernel (csrc/cpu/dropout.h on both sides): float32
-    outputs and gradients agree to rounding (a different mask would be off by tens of percent)."""
+    outputs and gradients agree to rounding (a different mask would be off by tens of percent). A p that
+    is 1 in float drops everything (CUDA refused it with a bare error)."""
     if dispatch.machine_reasons("cpu"):
         pytest.skip("; ".join(dispatch.machine_reasons("cpu")))
     q, k, v, grad, mask, cu, max_seqlen = _dropout_batch(varlen, head_dim)
     seed, scale = 4321, head_dim**-0.5
     results = []
-    for kernel in (lambda *a: torch.ops.fastbert.attention_cxx(*a, max_seqlen, scale, 0.3, torch.tensor(seed))[0],
-                   lambda *a: emulated(*a, scale, 0.3, seed)):
+    for kernel in (lambda *a: torch.ops.fastbert.attention_cxx(*a, max_seqlen, scale, p, torch.tensor(seed))[0],
+                   lambda *a: emulated(*a, scale, p, seed)):
         inputs = [t.clone().requires_grad_() for t in (q, k, v)]
         with poison_outputs():
             out = kernel(*inputs, mask, cu)
             results.append([out.detach(), *torch.autograd.grad(out, inputs, grad)])
     _assert_same_results(results[1], results[0])
+    assert results[1][0].any() == (p < NEARLY_ONE)
