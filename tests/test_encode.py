@@ -353,6 +353,74 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path):
     assert refused.returncode == 2 and "--restart" in refused.stderr
 
 
+def _stopped_after(monkeypatch, shards):
+    """Make the next command.run stop (KeyboardInterrupt) once `shards` shards are written (fewer than the run's)."""
+    windows = ENCODE.encode_windows
+
+    def stopping(*args, **kwargs):
+        for n, item in enumerate(windows(*args, **kwargs)):
+            if n == shards:
+                raise KeyboardInterrupt
+            yield item
+    monkeypatch.setattr(ENCODE, "encode_windows", stopping)
+
+
+@pytest.mark.parametrize("damage", ["empty", "header-only", "cut-short"])
+def test_a_damaged_shard_is_encoded_again(tmp_path, tiny_bert_dir, monkeypatch, capfd, damage):
+    """A shard renamed before its bytes reached the disk (a crash: the rename went first) was counted as
+    complete by its name; the resumed run then died assembling it, and every resume after it."""
+    from fastbert.apps.encode import run
+
+    texts, out = _txt(tmp_path, SENTENCES[:12]), tmp_path / "out.npy"
+    _stopped_after(monkeypatch, 2)
+    with pytest.raises(KeyboardInterrupt):
+        run(tiny_bert_dir, str(texts), str(out), shard_texts=4, progress=False)
+    monkeypatch.undo()
+    shard = Path(str(out) + ".parts") / "000001.npy"
+    data = shard.read_bytes()
+    shard.write_bytes({"empty": b"", "header-only": data[:128], "cut-short": data[:-4]}[damage])
+    capfd.readouterr()
+    assert run(tiny_bert_dir, str(texts), str(out), shard_texts=4, progress=False) == 12
+    err = capfd.readouterr().err
+    assert "000001.npy is damaged" in err and "resuming after 1 complete shards" in err
+    run(tiny_bert_dir, str(texts), str(tmp_path / "whole.npy"), shard_texts=4, progress=False)
+    assert np.array_equal(np.load(out), np.load(tmp_path / "whole.npy"))  # nothing lost or doubled
+
+
+def test_another_runs_shards_past_a_gap_are_refused(tmp_path, tiny_bert_dir, monkeypatch):
+    """Shards 000001 on of an earlier run whose 000000 is gone (its clean-up interrupted, or deleted by hand)
+    were not checked against the run's settings: a new run over other texts, stopped and resumed, took
+    them for its own (20 rows out of 8 texts)."""
+    from fastbert.apps.encode import InputError, run
+
+    out, parts = tmp_path / "out.npy", Path(str(tmp_path / "out.npy") + ".parts")
+    _stopped_after(monkeypatch, 4)
+    with pytest.raises(KeyboardInterrupt):
+        run(tiny_bert_dir, str(_txt(tmp_path, SENTENCES[:20])), str(out), shard_texts=4, progress=False)
+    monkeypatch.undo()
+    (parts / "000000.npy").unlink()
+    other = tmp_path / "other.txt"
+    other.write_text("\n".join(SENTENCES[20:28]) + "\n", encoding="utf-8")
+    with pytest.raises(InputError, match="holds a run with other settings or input \\(input.*--restart"):
+        run(tiny_bert_dir, str(other), str(out), shard_texts=4, progress=False)
+    assert run(tiny_bert_dir, str(other), str(out), shard_texts=4, restart=True, progress=False) == 8
+
+
+def test_an_output_that_is_the_input_is_refused(tmp_path, tiny_bert_dir):
+    """--output naming the input parquet replaced the corpus with its embeddings."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from fastbert.apps.encode import InputError, run
+
+    corpus = tmp_path / "corpus.parquet"
+    pq.write_table(pa.table({"text": SENTENCES[:3]}), corpus)
+    (tmp_path / "link.parquet").symlink_to(corpus)
+    with pytest.raises(InputError, match="is the input: the embeddings would replace the texts"):
+        run(tiny_bert_dir, str(corpus), str(tmp_path / "link.parquet"), column="text", progress=False)
+    assert pq.read_table(corpus).column_names == ["text"]
+
+
 @pytest.mark.parametrize("name,options,message", [
     ("in.jsonl", {}, "a .jsonl input needs --field"),
     ("in.txt", {"column": "body"}, "--column is for .parquet inputs"),

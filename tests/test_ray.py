@@ -55,3 +55,19 @@ def test_a_null_or_a_number_is_not_embedded_as_its_name():
         embed({"text": np.array(["a", None], dtype=object)})
     with pytest.raises(TypeError, match="row 0 of column 'text' is float, not a string"):
         embed({"text": np.array([float("nan")], dtype=object)})
+
+
+def test_a_pyarrow_batch_is_embedded_and_returned_as_a_table():
+    """map_batches(..., batch_format="pyarrow") hands a Table: `in` and iteration see its columns' values,
+    which took the column for missing (and then failed to name the columns)."""
+    import pyarrow as pa
+
+    from fastbert.integrations.ray import Embedder
+
+    texts = SENTENCES[:5] + [""]
+    out = Embedder(minilm_dir())(pa.table({"id": list(range(len(texts))), "text": texts}))
+    assert isinstance(out, pa.Table) and out.column_names == ["id", "text", "embedding"]
+    got = torch.from_numpy(np.stack(out["embedding"].to_numpy(zero_copy_only=False)))
+    assert_matches(got, fastbert.encode(minilm_dir(), texts), name="embeddings")
+    with pytest.raises(KeyError, match="no column 'body' \\(columns: text\\)"):
+        Embedder(minilm_dir(), column="body")(pa.table({"text": texts}))

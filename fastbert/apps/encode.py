@@ -9,6 +9,7 @@ import hashlib
 import itertools
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -135,11 +136,53 @@ def _resumable(previous: dict, manifest: dict) -> list[str]:
     return changed
 
 
-def _complete_shards(parts: str) -> int:
+SHARD = re.compile(r"\d{6}\.npy(\.tmp)?")
+
+
+def _whole_shards(parts: str, shard_texts: int, width: int) -> int:
+    """How many shards, from 000000 on, are whole: float32 [shard_texts, width], the last one possibly fewer
+    rows (the input's end). A shard the disk lost part of (a crash after its rename) ends the count, named."""
     done = 0
-    while os.path.exists(os.path.join(parts, f"{done:06d}.npy")):
+    while os.path.exists(path := os.path.join(parts, f"{done:06d}.npy")):
+        try:
+            shard = np.load(path, mmap_mode="r")  # reads the header, maps the rows: checks the file's size
+            shape, dtype = shard.shape, shard.dtype
+            del shard
+        except (ValueError, EOFError, OSError):  # an empty file, a header or data cut short
+            shape, dtype = None, None
+        if dtype != np.float32 or len(shape) != 2 or shape[1] != width or not 0 < shape[0] <= shard_texts:
+            print(f"{path} is damaged: encoding again from there", file=sys.stderr)
+            break
         done += 1
+        if shape[0] < shard_texts:
+            break  # the input's last shard: what follows is no part of this run
     return done
+
+
+def _shard_files(parts: str) -> list[str]:
+    return [name for name in os.listdir(parts) if SHARD.fullmatch(name)]
+
+
+def _drop_shards_from(parts: str, first: int) -> None:
+    """Remove shard files numbered `first` and up, and unfinished ones: what a resumed run does not keep
+    (a damaged shard and what follows it, another run's leftovers past a gap) is never taken for its own."""
+    for name in _shard_files(parts):
+        if name.endswith(".tmp") or int(name[:6]) >= first:
+            os.remove(os.path.join(parts, name))
+
+
+def _replace_durably(tmp: str, path: str) -> None:
+    """os.replace(tmp, path) once tmp's bytes are on the disk, then the rename itself: after a crash `path`
+    is whole or absent (a file system may write a rename before the data of the file it names)."""
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if hasattr(os, "O_DIRECTORY"):
+        directory = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
 
 
 def _assemble(parts: str, count: int, out: str, width: int) -> int:
@@ -167,7 +210,7 @@ def _assemble(parts: str, count: int, out: str, width: int) -> int:
                 block = np.load(s)
                 values = pa.FixedSizeListArray.from_arrays(pa.array(block.reshape(-1)), width)
                 writer.write_table(pa.table({"embedding": values}, schema=schema))
-    os.replace(tmp, out)
+    _replace_durably(tmp, out)  # before the shards go
     return rows
 
 
@@ -180,6 +223,8 @@ def run(model_dir: str, input_path: str, output: str, dtype: str = "fp32", batch
 
     if not output.endswith((".npy", ".parquet")):
         raise InputError(f"--output must end in .npy or .parquet, got {output}")
+    if os.path.realpath(output) == os.path.realpath(input_path):
+        raise InputError(f"--output {output} is the input: the embeddings would replace the texts")
     if pooling == "none":
         raise InputError("pooling 'none' gives one array per text: the encode command writes pooled embeddings")
     if not os.path.isdir(model_dir):
@@ -207,8 +252,9 @@ def run(model_dir: str, input_path: str, output: str, dtype: str = "fp32", batch
         shutil.rmtree(parts)
     os.makedirs(parts, exist_ok=True)
     manifest_path = os.path.join(parts, "manifest.json")
-    done = _complete_shards(parts)
-    if done:
+    width = model.config.hidden_size
+    done = _whole_shards(parts, shard_texts, width)
+    if any(not name.endswith(".tmp") for name in _shard_files(parts)):  # whole or not, another run's are refused
         previous = {}
         if os.path.exists(manifest_path):
             with open(manifest_path) as f:
@@ -217,9 +263,10 @@ def run(model_dir: str, input_path: str, output: str, dtype: str = "fp32", batch
         if changed:
             raise InputError(f"{parts} holds a run with other settings or input ({', '.join(changed)}): "
                              "pass --restart to start over")
+    _drop_shards_from(parts, done)
     with open(manifest_path + ".tmp", "w") as f:  # a run without shards has nothing to keep: this one's settings
         json.dump(manifest, f, indent=1)
-    os.replace(manifest_path + ".tmp", manifest_path)
+    _replace_durably(manifest_path + ".tmp", manifest_path)
     if done:
         print(f"resuming after {done} complete shards ({done * shard_texts} texts) in {parts}", file=sys.stderr)
     texts = itertools.islice(texts, done * shard_texts, None)
@@ -245,7 +292,7 @@ def run(model_dir: str, input_path: str, output: str, dtype: str = "fp32", batch
             path = os.path.join(parts, f"{shard:06d}.npy")
             with open(path + ".tmp", "wb") as f:
                 np.save(f, embeddings.numpy())
-            os.replace(path + ".tmp", path)  # a shard exists whole or not at all
+            _replace_durably(path + ".tmp", path)  # a shard exists whole or not at all
             shard += 1
     except TextTooLong as e:  # text k of the input is its line (or row) k + 1
         where = "row" if input_path.endswith(".parquet") else "line"
@@ -254,7 +301,7 @@ def run(model_dir: str, input_path: str, output: str, dtype: str = "fp32", batch
     finally:
         if bar is not None:
             bar.close()
-    rows = _assemble(parts, shard, output, model.config.hidden_size)
+    rows = _assemble(parts, shard, output, width)
     shutil.rmtree(parts)
     elapsed = time.perf_counter() - started
     print(f"{rows} texts -> {output} ({counts[0] / max(elapsed, 1e-9):.0f} texts/s, "

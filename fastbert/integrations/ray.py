@@ -37,12 +37,16 @@ class Embedder:
         self.column, self.output_column = column, output_column
         self.batch_tokens, self.truncate = batch_tokens, truncate
 
-    def __call__(self, batch: dict) -> dict:
+    def __call__(self, batch):
+        """`batch`: a dict of columns (map_batches' default), a pandas DataFrame or a pyarrow Table
+        (batch_format="pandas" / "pyarrow"); returned with the embeddings added, a Table as a Table."""
         from fastbert.encode import encode_windows
 
-        if self.column not in batch:
-            raise KeyError(f"the batch has no column {self.column!r} (columns: {', '.join(batch)})")
-        texts = list(batch[self.column])
+        table = hasattr(batch, "column_names")  # a pyarrow Table: `in` and iteration see its columns' values
+        names = batch.column_names if table else list(batch)
+        if self.column not in names:
+            raise KeyError(f"the batch has no column {self.column!r} (columns: {', '.join(map(str, names))})")
+        texts = batch.column(self.column).to_pylist() if table else list(batch[self.column])
         for row, t in enumerate(texts):
             if not isinstance(t, str):  # a null is not the text "None"
                 raise TypeError(f"row {row} of column {self.column!r} is {type(t).__name__}, not a string")
@@ -51,5 +55,10 @@ class Embedder:
                                  self.truncate, window=max(len(texts), 1))
         embeddings = [e.numpy() for _, e in windows]  # one window (none for an empty batch)
         width = self.model.config.hidden_size
-        return {**batch, self.output_column: np.concatenate(embeddings, dtype=np.float32) if embeddings
-                else np.empty((0, width), dtype=np.float32)}
+        embeddings = np.concatenate(embeddings, dtype=np.float32) if embeddings else np.empty((0, width), np.float32)
+        if table:
+            import pyarrow as pa
+
+            return batch.append_column(self.output_column,
+                                       pa.FixedSizeListArray.from_arrays(pa.array(embeddings.reshape(-1)), width))
+        return {**batch, self.output_column: embeddings}
