@@ -113,11 +113,11 @@ def load(directory, dtype: str = "fp32", tokenizer=None):
 
 
 def default_max_length(model, tokenizer, directory=None) -> int:
-    """sentence-transformers' max_seq_length where the directory has one, else what tokenizer and model allow."""
+    """sentence-transformers' max_seq_length where the directory has one, else what the tokenizer allows; at
+    most the model's positions (a max_seq_length past them, which sentence-transformers takes, fails there on
+    the first text that long)."""
     length = (_json(directory, "sentence_bert_config.json") or {}).get("max_seq_length") if directory is not None else None
-    if length:
-        return int(length)
-    return int(min(tokenizer.model_max_length, model.config.max_position_embeddings))
+    return int(min(length or tokenizer.model_max_length, model.config.max_position_embeddings))
 
 
 def token_budget_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:

@@ -247,6 +247,24 @@ def test_a_sentence_transformers_directory_is_run_as_sentence_transformers_runs_
     assert_matches(fastbert.encode(str(tmp_path / "st"), texts), want, name="embeddings")
 
 
+def test_a_max_seq_length_past_the_positions_stops_at_them(tmp_path, tiny_bert_dir):
+    """sentence-transformers takes a max_seq_length over the model's positions (and fails on the first text that
+    long); as fastbert's default it failed every run with max_length=1024, a value the user never gave."""
+    from fastbert.apps.encode import run
+
+    _sentence_transformers_dir(tiny_bert_dir, tmp_path / "st", "mean")
+    config = tmp_path / "st" / "sentence_bert_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "max_seq_length": 1024}))
+    st = pytest.importorskip("sentence_transformers").SentenceTransformer(str(tmp_path / "st"), device="cpu")
+    assert st.max_seq_length == 1024
+    model, tokenizer = load(str(tmp_path / "st"))
+    assert ENCODE.default_max_length(model, tokenizer, str(tmp_path / "st")) == model.config.max_position_embeddings
+    texts = SENTENCES[:4]
+    assert run(str(tmp_path / "st"), str(_txt(tmp_path, texts)), str(tmp_path / "out.npy"), progress=False) == 4
+    assert_matches(torch.from_numpy(np.load(tmp_path / "out.npy")), st.encode(texts, convert_to_tensor=True),
+                   name="embeddings")
+
+
 def test_a_sentence_transformers_pipeline_fastbert_cannot_run_is_refused(tmp_path, tiny_bert_dir):
     _sentence_transformers_dir(tiny_bert_dir, tmp_path, "mean", dense=True)
     with pytest.raises(ValueError, match="Transformer -> Pooling -> Dense -> Normalize"):
@@ -431,11 +449,12 @@ def test_an_output_that_is_the_input_is_refused(tmp_path, tiny_bert_dir):
     ("in.txt", {"max_length": 1}, "--max-length must be at least 2, got 1"),
     ("in.txt", {"max_length": 600}, "--max-length 600 is over the model's 512 positions"),
     ("in.txt", {"pooling": "maximum"}, "pooling must be one of"),
+    ("in.parquet", {"column": "text"}, "in.parquet: not a readable parquet file"),
 ])
 def test_command_usage_errors_leave_nothing_behind(tmp_path, name, options, message):
     from fastbert.apps.encode import InputError, run
 
-    for existing in ("in.txt", "in.jsonl", "in.csv"):
+    for existing in ("in.txt", "in.jsonl", "in.csv", "in.parquet"):
         (tmp_path / existing).write_text("a\n")
     out = tmp_path / "out.npy"
     with pytest.raises(InputError, match=message):

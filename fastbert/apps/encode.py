@@ -38,7 +38,10 @@ def read_texts(path: str, field: str | None = None, column: str | None = None) -
     if ext == ".parquet":
         import pyarrow.parquet as pq
 
-        f = pq.ParquetFile(path)
+        try:
+            f = pq.ParquetFile(path)
+        except (ValueError, OSError) as e:  # pyarrow's ArrowInvalid, ArrowIOError: not parquet, or damaged
+            raise InputError(f"{path}: not a readable parquet file ({e})") from None
         if column not in f.schema_arrow.names:
             raise InputError(f"{path} has no column {column!r} (columns: {', '.join(f.schema_arrow.names)})")
         return _parquet_texts(path, f, column)
