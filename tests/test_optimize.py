@@ -563,3 +563,59 @@ def test_what_transformers_reads_from_its_modules_holds_not_the_config():
         gelu_tanh(model)
     assert "is_decoder" in _runs_as_transformers(hf, plain, lambda m: setattr(m.config, "is_decoder", True))[0]
     _runs_as_transformers(hf, plain, lambda m: setattr(m.config, "is_decoder", False), fastbert_runs=True)
+
+
+class _DoubledOutput(transformers.models.bert.modeling_bert.BertSelfOutput):
+    def forward(self, hidden_states, input_tensor):  # a residual changed: what fastbert's encoder would skip
+        return super().forward(2 * hidden_states, input_tensor)
+
+
+def test_modules_that_compute_other_than_transformers_bert_are_run_by_transformers(monkeypatch):
+    """Only the leaves were checked: a module above them with a forward of its own (a subclass, a forward
+    patched on transformers' class) or an attention scaling set apart ran on fastbert's encoder, without
+    what it changes (rel err 7e-4 to 0.5)."""
+    def pair():
+        hf = transformers.BertModel(transformers.BertConfig(**SMALL)).eval()
+        plain = copy.deepcopy(hf)
+        fastbert.optimize(hf)
+        return hf, plain
+
+    def doubled(model):
+        model.encoder.layer[1].attention.output.__class__ = _DoubledOutput
+
+    assert "encoder.layer.1.attention.output (_DoubledOutput) runs a forward of its own" in \
+        _runs_as_transformers(*pair(), doubled)[0]
+    assert "encoder.layer.0.attention.self.scaling is 1.0" in \
+        _runs_as_transformers(*pair(), lambda m: setattr(m.encoder.layer[0].attention.self, "scaling", 1.0))[0]
+    hf, plain = pair()
+    hf(torch.tensor([[5, 6, 7]]))  # the encoder is built before the class changes
+    intermediate = transformers.models.bert.modeling_bert.BertIntermediate
+    halved = lambda self, x, forward=intermediate.forward: 0.5 * forward(self, x)  # noqa: E731
+    monkeypatch.setattr(intermediate, "forward", halved)
+    assert "(BertIntermediate) runs a forward of its own" in _runs_as_transformers(hf, plain, lambda m: None)[0]
+
+
+class _ScaledBert(transformers.BertModel):
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.last_hidden_state = 2 * out.last_hidden_state
+        return out
+
+
+@pytest.mark.parametrize("change,message", [
+    (None, "_ScaledBert \\(_ScaledBert\\) runs a forward of its own"),
+    (lambda m: setattr(m.encoder.layer[0].attention.self, "key", torch.nn.Linear(64, 64, bias=False)),
+     "encoder.layer.0.attention.self.key is a Linear without a bias"),
+    (lambda m: setattr(m.encoder.layer[1].output, "LayerNorm", torch.nn.LayerNorm(64, elementwise_affine=False)),
+     "encoder.layer.1.output.LayerNorm is a LayerNorm without a weight or a bias"),
+], ids=["model-forward", "bias-free-linear", "plain-layer-norm"])
+def test_optimize_refuses_what_its_encoder_would_not_compute(change, message):
+    """A BertModel subclass's forward was never run (optimize sets the instance's); bias-free linears and
+    LayerNorms passed optimize() and then failed every forward with a bare TypeError."""
+    model = (transformers.BertModel if change else _ScaledBert)(transformers.BertConfig(**SMALL)).eval()
+    if change:
+        change(model)
+    with pytest.raises(TypeError, match=message):
+        fastbert.optimize(model)
+    assert "forward" not in model.__dict__
+    model(torch.tensor([[5, 6, 7]]))  # transformers runs it as before

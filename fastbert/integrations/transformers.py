@@ -97,6 +97,32 @@ def _built_with(hf_bert) -> dict:
     return found
 
 
+def _runs_bert_code(hf_bert) -> None:
+    """Raise where a module above the leaves would compute other than transformers' BERT, which fastbert's
+    encoder computes in its place: one whose forward (its class's, or one patched on the class) is not
+    transformers' own (a subclass changing attention or a residual: fastbert would skip it), an attention
+    scaling set apart from 1/sqrt(head size), a bias-free linear or LayerNorm (the kernels take biases)."""
+    from transformers.models.bert import modeling_bert
+
+    for name, module in hf_bert.named_modules():
+        where = f"fastbert.optimize: {name or type(hf_bert).__name__}"
+        if isinstance(module, torch.nn.Linear) and module.bias is None and name.startswith(("encoder.", "embeddings.")):
+            raise TypeError(f"{where} is a Linear without a bias, which fastbert's kernels do not run")
+        if isinstance(module, torch.nn.LayerNorm) and (module.weight is None or module.bias is None):
+            raise TypeError(f"{where} is a LayerNorm without a weight or a bias, which fastbert's kernels do not run")
+        if isinstance(module, (*_LEAVES, torch.nn.ModuleList, torch.nn.Tanh)) or type(module) in _activation_names():
+            continue  # checked by _plain and _built_with
+        owner = next(c for c in type(module).__mro__ if "forward" in vars(c))
+        forward = vars(owner)["forward"]
+        if owner.__module__ != modeling_bert.__name__ or getattr(forward, "__qualname__", None) != f"{owner.__name__}.forward":
+            raise TypeError(f"{where} ({type(module).__name__}) runs a forward of its own "
+                            f"({getattr(forward, '__module__', '?')}.{getattr(forward, '__qualname__', '?')}), "
+                            "which fastbert's encoder would not run")
+        scaling = module.__dict__.get("scaling")
+        if isinstance(module, modeling_bert.BertSelfAttention) and scaling not in (None, module.attention_head_size**-0.5):
+            raise TypeError(f"{where}.scaling is {scaling}, not 1/sqrt(head size); fastbert's attention scales by that")
+
+
 def _encoder_sharing(hf_bert):
     """A fastbert BertModel whose leaf modules are `hf_bert`'s own: the same parameters, not copies."""
     config = BertConfig.from_dict({**hf_bert.config.to_dict(), **_built_with(hf_bert)})
@@ -111,6 +137,7 @@ def _encoder_sharing(hf_bert):
             parent_name, _, leaf = name.rpartition(".")
             parent = ours.get_submodule(parent_name) if parent_name else ours
             setattr(parent, leaf, theirs)
+    _runs_bert_code(hf_bert)  # after the leaves' and activations' checks, which name what they find more closely
     # Parameters this model has but transformers' lacks would be meta tensors: refuse rather than run.
     hf_params = {id(p) for p in hf_bert.parameters()}
     strangers = [n for n, p in ours.named_parameters() if id(p) not in hf_params]
@@ -129,22 +156,25 @@ def _encoder_for(hf_bert, quantized: bool):
     return ours
 
 
-def _settings(config) -> tuple:
-    """What transformers' forward reads from the config at each call: the table sizes (resize_token_embeddings
-    changes a table in place, and the config) and is_decoder (a causal mask)."""
-    return config.vocab_size, config.type_vocab_size, config.max_position_embeddings, config.is_decoder
+def _settings(config, attentions, classes) -> tuple:
+    """What transformers' forward reads at each call besides the modules: from the config the table sizes
+    (resize_token_embeddings changes a table in place, and the config) and is_decoder (a causal mask); the
+    self-attentions' scaling attributes (transformers 5's); the modules' classes' forwards (one patched on
+    its class): these two add ~2 us a forward (BERT-base)."""
+    return (config.vocab_size, config.type_vocab_size, config.max_position_embeddings, config.is_decoder,
+            tuple(a.__dict__.get("scaling") for a in attentions), tuple(c.forward for c in classes))
 
 
 def _tree(hf_bert, quantized: bool) -> tuple:
-    """What the encoder was built on: each submodule's children (parent, its (name, child) pairs) and the
-    config's _settings; with int8 copies, also the linears' parameters with their storage and version (the
+    """What the encoder was built on: each submodule's children (parent, its (name, child) pairs) and
+    _settings (with what they read: the self-attentions, the modules' classes); with int8 copies, also the linears' parameters with their storage and version (the
     copies are made from their values)."""
-    config = hf_bert.config
     parents = tuple((parent, dict(parent._modules), type(parent)) for parent in hf_bert.modules())
     linears = (m for m in hf_bert.encoder.modules() if isinstance(m, torch.nn.Linear)) if quantized else ()
     weights = tuple((m, name, p, p.data_ptr(), p._version) for m in linears for name, p in m._parameters.items()
                     if p is not None)
-    return parents, _settings(config), weights
+    reads = tuple(layer.attention.self for layer in hf_bert.encoder.layer), tuple({kind for *_, kind in parents})
+    return parents, _settings(hf_bert.config, *reads), weights, reads
 
 
 def _unchanged(hf_bert, tree: tuple) -> bool:
@@ -152,8 +182,8 @@ def _unchanged(hf_bert, tree: tuple) -> bool:
     parent, so comparing the recorded parents' children (and classes: a __class__ set to a subclass with
     a forward of its own) finds it (dicts of modules compare by identity,
     in C: ~35 us a forward for BERT-base's 228 modules)."""
-    parents, settings, weights = tree
-    return (settings == _settings(hf_bert.config)
+    parents, settings, weights, reads = tree
+    return (settings == _settings(hf_bert.config, *reads)
             and all(parent._modules == children and type(parent) is kind for parent, children, kind in parents)
             and all(m._parameters.get(name) is p and p.data_ptr() == ptr and p._version == version
                     for m, name, p, ptr, version in weights))
@@ -231,7 +261,7 @@ def clear_prepared_weights(model: torch.nn.Module) -> None:
         if isinstance(module, BertPreTrainedModel):
             module.clear_prepared_weights()
         elif "_fastbert_tree" in module.__dict__:
-            module.__dict__["_fastbert_tree"] = ((), None, ())  # no model's settings are None: the next call rebuilds
+            module.__dict__["_fastbert_tree"] = ((), None, (), ((), ()))  # no model's settings are None: the next call rebuilds
 
 
 def follow_checkpointing(hf_bert, ours) -> None:
