@@ -325,6 +325,7 @@ def test_command_int8_and_bf16_stay_close_to_fp32(tmp_path):
     (b'{"text": "a"}\n \n\n{"text": "b"}\n', ["--field", "text"], "in.jsonl line 2: blank \\(a .jsonl line holds one record\\)"),
     (b"short\n" + b"word " * 400 + b"\n", [], "in.txt line 2: 402 tokens, over max_length 256 \\(--truncate"),
     (b'{"text": "a"}\n{"text": "a\\ud800b"}\n', ["--field", "text"], "in.jsonl line 2: field 'text' is not valid Unicode"),
+    (b"first\rsecond\rthird\r", [], "in.txt line 1: the file's lines end in a carriage return \\(\\\\r\\) alone"),
 ])
 def test_command_bad_input_names_the_line(tmp_path, content, extra, message):
     name = "in.jsonl" if extra else "in.txt"

@@ -61,10 +61,14 @@ def _parquet_texts(path, f, column) -> Iterator[str]:
 def _line_texts(path, field) -> Iterator[str]:
     """.txt lines, or (field given) .jsonl records' `field`. Blank lines closing a .jsonl file are no
     records (editors and `cat` leave them); one between records is named (its text would shift every later
-    line's embedding by one)."""
+    line's embedding by one). Lines end at \n (a \r inside a line is the text's, as `wc -l` counts); a file
+    whose lines end in \r alone (old Mac) is refused, not taken as one text."""
     blank = None  # the first of the blank .jsonl lines read since the last record
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
+            if number == 1 and not raw.endswith(b"\n") and b"\r" in raw.rstrip(b"\r"):
+                raise InputError(f"{path} line 1: the file's lines end in a carriage return (\\r) alone, which "
+                                 "would make the whole file one text: end them in \\n (tr '\\r' '\\n')")
             raw = raw.rstrip(b"\n").rstrip(b"\r")
             if number == 1:
                 raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark is not text
