@@ -665,6 +665,10 @@ class Variants:
 
 _VARIANTS: dict[tuple[str, str], Variants] = {}
 _picked: dict[tuple, Variant] = {}  # (selection key, bucket, training) -> the variant measured fastest
+# One measurement at a time in a process: threads calling an op at once each measured it (each timing taken
+# beside the others' trials), and each ran its own pick, so one input gave other outputs thread to thread.
+# Reentrant: a trial's ops measure what they call in the same thread.
+_measuring = threading.RLock()
 
 
 def register_variants(op: str, backend: str, options, bucket, weights: bool = False) -> None:
@@ -728,14 +732,18 @@ def _choose_variant(op: str, backend: str, usable: tuple[Variant, ...], key, arg
     table = _VARIANTS[(op, backend)]
     bucket = table.bucket(*args)
     picked = _picked.get((key, bucket, training))
-    if picked is None:
-        dtypes = "/".join(sorted({_dtype_name(d) for _, d in key[1] if d.is_floating_point}))
-        cold = table.weights and not training
-        phase = "train" if training else "infer cold" if cold else "infer"
-        name = f"{op} {backend} {dtypes} {phase} " + " ".join(map(str, bucket))
-        with muted():  # the trial runs are not calls anyone made
-            best = tuning.choose(name, {v.name: v.fn for v in usable}, args, training, cold=cold)
-        picked = _picked[(key, bucket, training)] = next(v for v in usable if v.name == best)
+    if picked is not None:
+        return picked
+    with _measuring:
+        picked = _picked.get((key, bucket, training))  # another thread's, measured while this one waited
+        if picked is None:
+            dtypes = "/".join(sorted({_dtype_name(d) for _, d in key[1] if d.is_floating_point}))
+            cold = table.weights and not training
+            phase = "train" if training else "infer cold" if cold else "infer"
+            name = f"{op} {backend} {dtypes} {phase} " + " ".join(map(str, bucket))
+            with muted():  # the trial runs are not calls anyone made
+                best = tuning.choose(name, {v.name: v.fn for v in usable}, args, training, cold=cold)
+            picked = _picked[(key, bucket, training)] = next(v for v in usable if v.name == best)
     return picked
 
 
