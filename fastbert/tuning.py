@@ -119,7 +119,7 @@ def machine() -> str:
 def _read(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: arrays nested past Python's stack
         return {}
     return data if isinstance(data, dict) else {}
 
@@ -127,7 +127,8 @@ def _read(path: Path) -> dict:
 def _valid(entry) -> bool:
     """An entry as choose() writes it (a file edited by hand or by another version may hold anything)."""
     return (isinstance(entry, dict) and isinstance(entry.get("choice"), str) and isinstance(entry.get("ms"), dict)
-            and all(isinstance(ms, (int, float)) for ms in entry["ms"].values()))
+            and all(isinstance(ms, (int, float)) and 0 <= ms < 1e9 for ms in entry["ms"].values()))  # not NaN,
+    # inf or an integer past float's range (fastest() would raise on it at every call)
 
 
 def _mine(data: dict) -> dict:
