@@ -699,6 +699,11 @@ def usable_variants(op: str, backend: str, f: Facts) -> tuple[tuple[Variant, ...
     each other cannot. A forced variant that cannot serve raises BackendUnavailable."""
     table = _VARIANTS.get((op, backend))
     if table is None:
+        forced = forced_variant(op)
+        known = sorted({v.name for (o, _), t in _VARIANTS.items() if o == op for v in t.options})
+        if forced is not None and forced[0] not in known:  # a misspelt name, not a choice another backend serves
+            raise BackendUnavailable(f"{op}: variant {forced[0]!r} was forced ({forced[1]}) but no backend has it "
+                                     f"({', '.join(known) if known else f'{op} has no variants'})")
         return (), {}
     why = {v.name: v.reasons(f) for v in table.options if v.reasons is not None}
     usable = tuple(v for v in table.options if not why.get(v.name))

@@ -216,6 +216,15 @@ def test_forced_variants_run_or_say_why_not(monkeypatch):
     with pytest.raises(ValueError, match="unknown op"):
         with dispatch.use_variant("densee", "torch"):
             pass
+    # A name no backend of the op has (a typo) is an error also where the backend that runs has no variants:
+    # it was ignored without a word.
+    monkeypatch.setenv("FASTBERT_VARIANT_ADD_LAYER_NORM", "bogus")
+    with pytest.raises(dispatch.BackendUnavailable, match="'bogus' was forced \\(FASTBERT_VARIANT_ADD_LAYER_NORM\\) "
+                                                          "but no backend has it \\(add_layer_norm has no variants\\)"):
+        ops.add_layer_norm(x, x, torch.ones(16), torch.zeros(16), 1e-12)
+    with dispatch.use_backend("reference"), dispatch.use_variant("dense", "bogus"), pytest.raises(
+            dispatch.BackendUnavailable, match="'bogus' was forced \\(use_variant\\(\\)\\) but no backend has it \\(.*torch"):
+        ops.dense(x, w, b)
 
 
 def test_training_calls_are_measured_with_their_backward(tuned):
