@@ -10,6 +10,7 @@ flags), so they hold under torch.compile.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import importlib
 import logging
@@ -212,15 +213,29 @@ def not_supported_reasons(op: str, backend: str, inputs: dict | Facts, forced: b
 
 
 # --------------------------------------------------------------------------------------------------
-# Overrides: environment variables and a thread-local stack of use_backend(...) contexts.
+# Overrides: environment variables, and the use_backend(...) / use_variant(...) blocks open in this context:
+# context variables, not a thread's list, so that asyncio tasks sharing a thread see only their own blocks
+# (a task's block, closed while another task's was open, popped the other's entry: that task ran on the
+# backend it had not forced).
 
 _local = threading.local()
+_backend_blocks: contextvars.ContextVar[tuple[tuple[str, str | None], ...]] = contextvars.ContextVar(
+    "fastbert_use_backend", default=())
+_variant_blocks: contextvars.ContextVar[tuple[tuple[str, str], ...]] = contextvars.ContextVar(
+    "fastbert_use_variant", default=())
 
 
-def _override_stack() -> list[tuple[str, str | None]]:
-    if not hasattr(_local, "stack"):
-        _local.stack = []
-    return _local.stack
+def _override_stack() -> tuple[tuple[str, str | None], ...]:
+    return _backend_blocks.get()
+
+
+@contextlib.contextmanager
+def _opened(blocks: contextvars.ContextVar, entry: tuple):
+    blocks.set(blocks.get() + (entry,))
+    try:
+        yield
+    finally:  # this block's own entry (blocks closed out of order keep the others')
+        blocks.set(tuple(e for e in blocks.get() if e is not entry))
 
 
 def _check_backend_name(name: str, where: str) -> str:
@@ -231,16 +246,12 @@ def _check_backend_name(name: str, where: str) -> str:
 
 @contextlib.contextmanager
 def use_backend(backend: str, op: str | None = None):
-    """Force `backend` for every op, or for `op` only, inside the block (this thread)."""
+    """Force `backend` for every op, or for `op` only, inside the block (this thread or asyncio task)."""
     _check_backend_name(backend, "use_backend")
     if op is not None and op not in OPS:
         raise ValueError(f"use_backend: unknown op {op!r} (known: {', '.join(OPS)})")
-    stack = _override_stack()
-    stack.append((backend, op))
-    try:
+    with _opened(_backend_blocks, (backend, op)):
         yield
-    finally:
-        stack.pop()
 
 
 _BACKEND_VARIABLES = {op: (f"FASTBERT_BACKEND_{op.upper()}", "FASTBERT_BACKEND") for op in OPS}
@@ -752,23 +763,17 @@ def _choose_variant(op: str, backend: str, usable: tuple[Variant, ...], key, arg
     return picked
 
 
-def _override_variants() -> list[tuple[str, str]]:
-    if not hasattr(_local, "variants"):
-        _local.variants = []
-    return _local.variants
+def _override_variants() -> tuple[tuple[str, str], ...]:
+    return _variant_blocks.get()
 
 
 @contextlib.contextmanager
 def use_variant(op: str, name: str):
-    """Force variant `name` of whichever backend runs `op` inside the block (this thread)."""
+    """Force variant `name` of whichever backend runs `op` inside the block (this thread or asyncio task)."""
     if op not in OPS:
         raise ValueError(f"use_variant: unknown op {op!r} (known: {', '.join(OPS)})")
-    stack = _override_variants()
-    stack.append((op, name))
-    try:
+    with _opened(_variant_blocks, (op, name)):
         yield
-    finally:
-        stack.pop()
 
 
 def forced_variant(op: str) -> tuple[str, str] | None:

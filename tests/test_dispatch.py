@@ -231,3 +231,41 @@ def test_cuda_add_layer_norm_names_its_row_limit():
     wide = dispatch.Facts(("cuda",), (torch.float32,), row_width=8193)
     assert any("at most 8192" in r for r in cuda.extra_reasons(wide))
     assert cuda.extra_reasons(dispatch.Facts(("cuda",), (torch.float32,), row_width=8192)) == []
+
+
+def test_blocks_of_asyncio_tasks_on_one_thread_stay_their_own():
+    """The blocks were one thread's list: a task's block closed while another task's was open popped the
+    other's entry (that task's ops ran on a backend it had not forced), and a task that forced nothing ran
+    under another's block."""
+    import asyncio
+
+    seen = {}
+
+    async def brief():
+        with dispatch.use_backend("reference"):
+            await asyncio.sleep(0.01)
+            seen["brief"] = dispatch.forced_backend("dense")
+
+    async def long():
+        await asyncio.sleep(0.005)
+        with dispatch.use_backend("cpu"):
+            await asyncio.sleep(0.02)  # brief's block closes meanwhile
+            seen["long"] = dispatch.forced_backend("dense")
+
+    async def bystander():
+        await asyncio.sleep(0.005)  # inside brief's block
+        seen["bystander"] = dispatch.forced_backend("dense")
+
+    async def main():
+        await asyncio.gather(brief(), long(), bystander())
+
+    asyncio.run(main())
+    assert seen == {"brief": ("reference", "use_backend()"), "long": ("cpu", "use_backend()"), "bystander": None}
+    # Blocks closed out of order keep each other's entries.
+    outer, inner = dispatch.use_variant("dense", "torch"), dispatch.use_variant("dense", "onednn")
+    outer.__enter__()
+    inner.__enter__()
+    outer.__exit__(None, None, None)
+    assert dispatch.forced_variant("dense") == ("onednn", "use_variant()")
+    inner.__exit__(None, None, None)
+    assert dispatch.forced_variant("dense") is None
