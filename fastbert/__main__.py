@@ -26,6 +26,7 @@ def main(argv=None) -> int:
     demo.add_argument("--repeats", type=positive, default=10, help="timed runs of each model (median reported)")
     bench = sub.add_parser("bench", help="fastbert vs transformers, torch, ONNX Runtime: medians, ratios, GEMM-rate fraction")
     from fastbert.apps import bench as b
+    from fastbert.dispatch import BACKENDS
 
     def names(known):
         def parse(text):
@@ -42,7 +43,7 @@ def main(argv=None) -> int:
     bench.add_argument("--competitors", type=names(b.COMPETITORS), default=list(b.DEFAULT_COMPETITORS),
                        help="fastbert, hf-eager, hf-sdpa, compile (torch.compile of hf-sdpa), nested, onnxruntime")
     bench.add_argument("--rounds", type=positive, default=7, help="timed rounds per competitor (median reported)")
-    bench.add_argument("--backend", default=None, help="force one fastbert backend for every op")
+    bench.add_argument("--backend", default=None, choices=BACKENDS, help="force one fastbert backend for every op")
     bench.add_argument("--out", default="benchmarks/out", help="folder for bench.json and bench.png")
     bench.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the models run")
     bench.add_argument("--keep-freed-memory", action="store_true",

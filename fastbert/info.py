@@ -61,8 +61,35 @@ def report() -> str:
         pass
     lines.append("Priority (first that can serve a call wins): " + " > ".join(dispatch.BACKENDS))
     lines.append("Force with FASTBERT_BACKEND=<backend>, FASTBERT_BACKEND_<OP>=<backend> or fastbert.use_backend(...).")
-    lines += ["", *variants_report()]
+    lines += ["", *settings_report(), ""]
+    try:
+        lines += variants_report()
+    except (ValueError, dispatch.BackendUnavailable) as e:  # a setting the lines above name
+        lines.append(f"Variants of the cpu backend: cannot be listed ({e})")
     return "\n".join(lines)
+
+
+def settings_report() -> list[str]:
+    """The FASTBERT_* environment variables set, each checked as a call would check it: info is what a
+    user runs to find out why calls fail."""
+    import os
+
+    from fastbert import tuning
+
+    names = sorted(n for n in os.environ if n.startswith("FASTBERT_"))
+    lines = ["Settings: " + (", ".join(f"{n}={os.environ[n]}" for n in names) if names else "none (FASTBERT_*)")]
+    problems = []
+    for check in [tuning.enabled] + [lambda op=op: dispatch.forced_backend(op) for op in dispatch.OPS]:
+        try:
+            check()
+        except ValueError as e:
+            problems.append(str(e))
+    for op in dispatch.OPS:
+        forced = dispatch.forced_variant(op)
+        known = {v for b in dispatch.BACKENDS for v in dispatch.variant_names(op, b)}
+        if forced is not None and forced[0] not in known:
+            problems.append(f"{forced[1]}: {op} has no variant {forced[0]!r} ({', '.join(sorted(known)) or 'none'})")
+    return lines + [f"  calls raise: {p}" for p in dict.fromkeys(problems)]
 
 
 def variants_report() -> list[str]:

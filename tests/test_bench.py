@@ -61,3 +61,10 @@ def test_rounds_and_repeats_below_one_are_usage_errors(capsys):
         with pytest.raises(SystemExit):
             main(argv)
         assert "must be at least 1" in capsys.readouterr().err
+
+
+def test_the_gemm_rate_of_float16_on_a_cpu_without_onednns_float16():
+    """oneDNN packed float16 where it has no float16 GEMM (no avx512_fp16): `bench --dtypes fp16` crashed."""
+    from fastbert.apps.bench import gemm_rate
+
+    assert gemm_rate(torch.float16) > 0

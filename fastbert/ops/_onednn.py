@@ -28,10 +28,14 @@ def missing(namespace: str = "mkldnn", names=("_linear_pointwise", "_reorder_lin
 
 def dtype_missing(dtypes) -> list[str]:
     """Why oneDNN's float linear cannot run `dtypes` on this CPU: it has bfloat16 kernels only with
-    AVX-512 or AMX (on an AVX2-only CPU it fails to create the primitive); empty when it can."""
+    AVX-512 or AMX (on an AVX2-only CPU it fails to create the primitive), float16 ones only with
+    avx512_fp16 or AMX-FP16; empty when it can."""
     if torch.bfloat16 in dtypes and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return ["oneDNN has no bfloat16 GEMM on this CPU (it needs AVX-512 or AMX; "
                 "torch.ops.mkldnn._is_mkldnn_bf16_supported() is False)"]
+    if torch.float16 in dtypes and not torch.ops.mkldnn._is_mkldnn_fp16_supported():
+        return ["oneDNN has no float16 GEMM on this CPU (it needs avx512_fp16 or AMX-FP16; "
+                "torch.ops.mkldnn._is_mkldnn_fp16_supported() is False)"]
     return []
 
 
