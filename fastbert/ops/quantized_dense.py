@@ -51,6 +51,10 @@ def quantized_dense(x, weight: torch.Tensor, weight_scale: torch.Tensor, bias: t
         _checks_of(x, weight, weight_scale, bias, activation, approximate, prepared, quantize_output, input_scale,
                    input_zero_point)
     epilogue = EPILOGUES[activation, approximate]
+    # The kernels read the scales densely: a strided weight_scale gave oneDNN's GEMM other channels' scales.
+    weight_scale = weight_scale.contiguous()
+    if rows and not (x.scale.is_contiguous() and x.zero_point.is_contiguous()):
+        x = x._replace(scale=x.scale.contiguous(), zero_point=x.zero_point.contiguous())
     # QuantizedRows stand for a float dtype no tensor of theirs holds: the result's, which a backend must serve
     inputs = {"tensors": tensors, "dtypes": (x.dtype,)} if rows else {"tensors": tensors}
     return dispatch.call("quantized_dense", inputs, x, weight, weight_scale, bias, epilogue, prepared,

@@ -91,6 +91,30 @@ def test_row_blocks_equal_one_block(monkeypatch, variant, quantize_output):
         assert torch.equal(blocks, whole)
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("variant", dispatch.variant_names("quantized_dense", "cpu"))
+def test_strided_scales_are_read_as_their_values(variant, static):
+    """oneDNN's GEMM read a strided weight_scale as if dense (outputs off by 50 where they were ~6, no error),
+    and strided QuantizedRows scales were refused as of the wrong shape."""
+    skip_unless_variant("quantized_dense", variant, torch.float32)
+    x = torch.randn(4, 2, 96)
+    weight, scale, b = layer(40, 96)
+    strided = torch.stack([scale, 7 * scale], 1)[:, 0]  # scale's values, every other element of a buffer
+    static_scales = dict(input_scale=torch.tensor(0.05), input_zero_point=torch.tensor(128, dtype=torch.int32))
+    kwargs = static_scales if static else {}
+    with torch.no_grad(), dispatch.use_variant("quantized_dense", variant):
+        want = ops.quantized_dense(x, weight, scale, b, **kwargs)
+        with poison_outputs(), dispatch.record() as calls:
+            got = ops.quantized_dense(x, weight, strided, b, **kwargs)
+        assert {c.variant for c in calls} == {variant}
+        assert torch.equal(got, want)
+        if not static:
+            q, s, z = reference.quantize_rows(x.reshape(-1, 96))
+            s, z = (torch.stack([t, t], 1)[:, 0] for t in (s, z))
+            assert torch.equal(ops.quantized_dense(ops.QuantizedRows(q.reshape(x.shape), s, z, torch.float32), weight,
+                                                   scale, b), want)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_quantized_rows_input_equals_the_float_input(dtype):
     skip_unless_runnable("quantized_dense", "cpu", dtype)
