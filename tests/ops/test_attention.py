@@ -257,6 +257,12 @@ test_bad_input = bad_input_test([
     (lambda: ops.attention(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 4, 4), torch.randn(1, 2, 3, 4)), "q, k and v must have the same shape"),
     (lambda: ops.attention(torch.randn(2, 3, 4), torch.randn(2, 3, 4), torch.randn(2, 3, 4)), "q must be 4-D"),
     (lambda: ops.attention(*(torch.randn(2, 1, 3, 4) for _ in range(3)), attention_mask=torch.ones(2, 4)), "attention_mask must have shape \\(2, 3\\)"),
+    # An additive mask (0 = keep, -inf = drop) was read as bool: the other way round, silently.
+    (lambda: ops.attention(*(torch.randn(2, 1, 3, 4) for _ in range(3)),
+                           attention_mask=torch.tensor([[0.0, 0.0, -float("inf")]] * 2)),
+     "attention_mask must hold only 0 \\(padding\\) and 1 \\(token\\), got values from -inf to 0.0"),
+    (lambda: ops.attention(*(torch.randn(2, 1, 3, 4) for _ in range(3)), attention_mask=torch.tensor([[1, 2, 0]] * 2)),
+     "attention_mask must hold only 0 \\(padding\\) and 1 \\(token\\), got values from 0.0 to 2.0"),
     (lambda: ops.attention(*(torch.randn(2, 1, 3, 4) for _ in range(3)), dropout_p=1.0), "dropout_p must be in \\[0, 1\\)"),
     (lambda: ops.varlen_attention(*(torch.randn(5, 1, 4) for _ in range(3)), torch.tensor([0, 3, 2, 5], dtype=torch.int32), 3),
      "cu_seqlens must rise from 0 to the token count 5"),
