@@ -124,6 +124,8 @@ def qkv_projection(x, weight, bias, num_heads):
 
 
 def softmax(scores):
+    if scores.shape[-1] == 0:  # no keys: nothing to normalize (amax refuses an empty dimension)
+        return scores
     e = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
     return e / e.sum(dim=-1, keepdim=True)
 
@@ -155,7 +157,7 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, scale=None)
             continue
         qi, ki, vi = (t[start:end].transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, s, d]
         outs.append(attention(qi, ki, vi, None, dropout_p, scale)[0].transpose(0, 1))  # [s, heads, d]
-    return torch.cat(outs, dim=0) if outs else torch.empty_like(q)
+    return torch.cat(outs, dim=0) if outs else q + k + v  # no rows (T = 0), in the graph as torch.cat's would be
 
 
 def add_layer_norm(x, residual, weight, bias, eps, dropout_p=0.0):

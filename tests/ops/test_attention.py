@@ -550,6 +550,19 @@ def test_cpu_nan_in_a_padding_key_is_ignored_and_minus_inf_scores_give_nan(dtype
 # ------------------------------------------------------------------------------ edge cases found by properties
 
 
+def test_reference_without_tokens():
+    """The reference (fp16's backend on a CPU) with S = 0 raised from amax; varlen with T = 0 returned an
+    output outside the graph (its backward raised)."""
+    q = torch.randn(2, 2, 0, 8, requires_grad=True)
+    with dispatch.use_backend("reference"), dispatch.record() as calls:
+        out = ops.attention(q, q, q, torch.ones(2, 0, dtype=torch.bool))
+        packed = torch.randn(0, 2, 8, requires_grad=True)
+        empty = ops.varlen_attention(packed, packed, packed, torch.tensor([0, 0], dtype=torch.int32), 0)
+    assert {c.backend for c in calls} == {"reference"}
+    assert out.shape == q.shape and empty.shape == packed.shape
+    torch.autograd.grad((out.sum(), empty.sum()), (q, packed))
+
+
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 def test_varlen_reference_empty_sequences(backend):
     """cu_seqlens with a repeated offset (an empty sequence) passes the op's checks, so every backend must
