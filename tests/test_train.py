@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -246,6 +247,36 @@ def test_pretrain_resume_matches_an_uninterrupted_run(tmp_path, corpus):
     with pytest.raises(ValueError, match=r"with other settings \(--lr 0.001 -> 1.0, --seed 0 -> 3\)"):
         run(*pretrain_args(corpus, tmp_path / "other", "--resume", half, "--grad-accum", 2, "--lr", 1, "--seed", 3))
     assert not (tmp_path / "other").exists()
+    # So is other data, masking or dropout (they went unchecked: another loss, no word).
+    other_corpus = tmp_path / "other.txt"
+    other_corpus.write_text(Path(corpus[0]).read_text() + "one more sentence .\n")
+    for extra, message in ((("--mlm-probability", 0.5), "mlm_probability 0.15 -> 0.5"),
+                           (("--dropout", 0.0), r"dropout \[0.1\] -> \[0.0\]")):
+        with pytest.raises(ValueError, match=message):
+            run(*pretrain_args(corpus, tmp_path / "other", "--resume", half, "--grad-accum", 2, *extra))
+    with pytest.raises(ValueError, match="corpus_sha256"):
+        run(*pretrain_args((other_corpus, corpus[1]), tmp_path / "other", "--resume", half, "--grad-accum", 2))
+
+
+def test_a_checkpoint_cut_short_or_without_its_settings_is_not_resumed(tmp_path, corpus, monkeypatch):
+    """Checkpoints were written in place, the training state among the first files: a save cut short left a
+    state that --resume took (an empty one: a bare EOFError; over an earlier save: its state with new
+    weights, trained on without a word), and one without training_args.json resumed with any settings."""
+    from fastbert.apps import train
+
+    out = tmp_path / "run"
+    run(*pretrain_args(corpus, out, "--save-every", 3))
+    half = out / "checkpoint-3"
+    monkeypatch.setattr(train, "plot_losses", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))  # cut short
+    with pytest.raises(KeyboardInterrupt):
+        run(*pretrain_args(corpus, out, "--resume", half, "--save-every", 1))
+    monkeypatch.undo()
+    assert not (out / "checkpoint-4" / "training_state.pt").exists()
+    with pytest.raises(FileNotFoundError, match="no training_state.pt"):
+        run(*pretrain_args(corpus, tmp_path / "b", "--resume", out / "checkpoint-4"))
+    (half / "training_args.json").unlink()
+    with pytest.raises(ValueError, match="training_args.json is missing or unreadable"):
+        run(*pretrain_args(corpus, tmp_path / "c", "--resume", half))
 
 
 @pytest.fixture
@@ -526,8 +557,13 @@ def test_bad_arguments_fail_clearly(tmp_path, corpus):
                           ("--batch-size", "--batch-size must be positive, got 0")):
         with pytest.raises(ValueError, match=message):
             run(*pretrain_args(corpus, tmp_path / "d", flag, 0))
-    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9 au lait\n\nanother one\n")
-    with pytest.raises(ValueError, match="latin1.txt is not UTF-8 text \\(byte 0xe9"):
+    # Negative ones were taken: a clipping norm of -1 turned training into gradient ascent.
+    for flag in ("--max-grad-norm", "--save-every", "--warmup-steps", "--weight-decay"):
+        with pytest.raises(ValueError, match=f"{flag} must be 0 or more, got -1"):
+            run(*pretrain_args(corpus, tmp_path / "d", flag, -1))
+    # Bytes that are not UTF-8 are named by line and column (the corpus's offset was counted from a chunk's start).
+    (tmp_path / "latin1.txt").write_bytes(b"fine\n" * 30000 + b"caf\xe9 au lait\n\nanother one\n")
+    with pytest.raises(ValueError, match="latin1.txt line 30001: not UTF-8 \\(byte 0xe9 at column 4\\)"):
         run(*pretrain_args((str(tmp_path / "latin1.txt"), corpus[1]), tmp_path / "e"))
 
 

@@ -7,27 +7,36 @@ Corpus format for pretraining: a text file with one sentence per line; blank lin
 """
 from __future__ import annotations
 
+import io
+
 import torch
 
 IGNORE = -100  # label of positions that are not scored (cross_entropy's ignore_index)
+
+
+def utf8_text(path) -> str:
+    """The file's text (a UTF-8 byte order mark dropped); bytes that are not UTF-8 are named by line and
+    column (a decoder reading in chunks counted its offset from the chunk's start)."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line, column = raw.count(b"\n", 0, e.start) + 1, e.start - raw.rfind(b"\n", 0, e.start)
+        raise ValueError(f"{path} line {line}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {column})") from None
 
 
 def read_corpus(path) -> list[list[str]]:
     """Documents (lists of sentences) from a file with one sentence per line, documents separated by
     blank lines."""
     documents, current = [], []
-    with open(path, encoding="utf-8") as f:
-        try:
-            lines = f.readlines()
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
-        for line in lines:
-            line = line.strip()
-            if line:
-                current.append(line)
-            elif current:
-                documents.append(current)
-                current = []
+    for line in io.StringIO(utf8_text(path), newline=None):  # lines as open() splits them (\n, \r\n, \r)
+        line = line.strip()
+        if line:
+            current.append(line)
+        elif current:
+            documents.append(current)
+            current = []
     if current:
         documents.append(current)
     return documents

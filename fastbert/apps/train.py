@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import csv
+import io
 import json
 import math
 import os
@@ -219,17 +220,30 @@ def plot_losses(losses: list[float], path: str) -> None:
     plt.close(fig)
 
 
-def save_checkpoint(directory, model, tokenizer, optimizer, scheduler, stream, history, args) -> None:
+def save_checkpoint(directory, model, tokenizer, optimizer, scheduler, stream, history, args, recipe=None) -> None:
     """A directory transformers can load (config.json, model.safetensors, tokenizer files) plus the
-    training state for --resume and the loss curve. history: per-step lists loss, grad_norm, lr."""
+    training state for --resume and the loss curve. history: per-step lists loss, grad_norm, lr.
+    The training state is the checkpoint's seal: removed first, written last, once every other file is on
+    the disk, under its name in one step. A save cut short (a kill, a crash) leaves no state, so --resume
+    refuses the directory, never a mix of two saves' files or a state cut short."""
+    state_file = os.path.join(directory, STATE_FILE)
+    if os.path.exists(state_file):
+        os.remove(state_file)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
+    with open(os.path.join(directory, "training_args.json"), "w", encoding="utf-8") as f:
+        json.dump({**asdict(args), "recipe": recipe or {}}, f, indent=2, default=str)  # paths as strings
+    plot_losses(history["loss"], os.path.join(directory, LOSS_PLOT))
+    for name in os.listdir(directory):
+        if os.path.isfile(path := os.path.join(directory, name)):
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
     state = {"step": len(history["loss"]), **history, "optimizer": optimizer.state_dict(),
              "scheduler": scheduler.state_dict(), "data": stream.state_dict()}
-    torch.save(state, os.path.join(directory, STATE_FILE))
-    with open(os.path.join(directory, "training_args.json"), "w", encoding="utf-8") as f:
-        json.dump(asdict(args), f, indent=2, default=str)  # for the record (paths as strings)
-    plot_losses(history["loss"], os.path.join(directory, LOSS_PLOT))
+    torch.save(state, state_file + ".tmp")
+    with open(state_file + ".tmp", "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(state_file + ".tmp", state_file)
 
 
 def state_path(directory) -> str:
@@ -246,15 +260,21 @@ RUN_ARGS = ("steps", "epochs", "batch_size", "grad_accum", "lr", "weight_decay",
             "max_length", "bf16", "seed")
 
 
-def same_run(directory, args: TrainArgs) -> None:
-    """Refuse to resume from `directory` with arguments that change the run (named in the error)."""
+def same_run(directory, args: TrainArgs, recipe: dict | None = None) -> None:
+    """Refuse to resume from `directory` with arguments that change the run, or a recipe (what else the run
+    depends on: its data files' digests, the masking probability, dropout) other than the saved one; named
+    in the error."""
     path = os.path.join(directory, "training_args.json")
-    if not os.path.isfile(path):
-        return
-    with open(path, encoding="utf-8") as f:
-        saved = json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        raise ValueError(f"cannot resume from {directory}: its training_args.json is missing or unreadable, so the "
+                         "run's settings cannot be checked") from None
     changed = [f"--{k.replace('_', '-')} {saved[k]} -> {getattr(args, k)}" for k in RUN_ARGS
                if k in saved and saved[k] != getattr(args, k)]
+    before = saved.get("recipe", {})
+    changed += [f"{k} {before.get(k)} -> {v}" for k, v in (recipe or {}).items() if "recipe" in saved and before.get(k) != v]
     if changed:
         raise ValueError(f"cannot resume from {directory} with other settings ({', '.join(changed)}): a resumed run "
                          "continues the same run; start a new one from its weights (--model) to change them")
@@ -267,21 +287,27 @@ def load_training_state(directory) -> dict:
 # ------------------------------------------------------------------------------ the loop
 
 
-def train(model, tokenizer, stream: BatchStream, loss_fn, args: TrainArgs) -> list[float]:
+def train(model, tokenizer, stream: BatchStream, loss_fn, args: TrainArgs, recipe: dict | None = None) -> list[float]:
     """Train `model` on batches from `stream` with `loss_fn(model, piece, counts)`; save to args.out.
     Resumes from args.resume (a checkpoint this function saved; the model must already hold its
-    weights). Returns the loss of every optimizer step, from step 1; the checkpoints also keep each
-    step's gradient norm (before clipping) and learning rate."""
+    weights) when `recipe` (what else the run depends on, kept in training_args.json) is the saved one.
+    Returns the loss of every optimizer step, from step 1; the checkpoints also keep each step's gradient
+    norm (before clipping) and learning rate."""
     from tqdm import tqdm
 
     rank, world = distributed()
     for name, bad in (("steps", args.epochs is None and args.steps < 1), ("epochs", args.epochs is not None and args.epochs <= 0),
-                      ("batch-size", args.batch_size < 1), ("grad-accum", args.grad_accum < 1)):
+                      ("batch-size", args.batch_size < 1), ("grad-accum", args.grad_accum < 1), ("lr", not args.lr > 0)):
         if bad:
             value = getattr(args, name.replace("-", "_"))
             raise ValueError(f"--{name} must be positive, got {value}")
+    # (a negative clipping norm turned the steps around: gradient ascent)
+    for name in ("weight_decay", "warmup_steps", "max_grad_norm", "save_every"):
+        value = getattr(args, name)
+        if value is not None and not value >= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be 0 or more, got {value}")
     if args.resume:
-        same_run(args.resume, args)
+        same_run(args.resume, args, recipe)
     if args.batch_size % (args.grad_accum * world):
         raise ValueError(f"--batch-size {args.batch_size} must be divisible by --grad-accum ({args.grad_accum}) "
                          f"x processes ({world})")
@@ -341,10 +367,10 @@ def train(model, tokenizer, stream: BatchStream, loss_fn, args: TrainArgs) -> li
         progress.set_postfix(loss=f"{history['loss'][-1]:.4f}", lr=f"{history['lr'][-1]:.2e}")
         if rank == 0 and args.save_every and step % args.save_every == 0 and step < total_steps:
             save_checkpoint(os.path.join(args.out, f"checkpoint-{step}"), model, tokenizer, optimizer, scheduler,
-                            stream, history, args)
+                            stream, history, args, recipe)
     progress.close()
     if rank == 0:
-        save_checkpoint(args.out, model, tokenizer, optimizer, scheduler, stream, history, args)
+        save_checkpoint(args.out, model, tokenizer, optimizer, scheduler, stream, history, args, recipe)
     model.eval()
     return history["loss"]
 
@@ -398,6 +424,19 @@ def pretraining_config(name_or_path: str, vocab_size: int) -> BertConfig:
     return config
 
 
+def dropouts(model) -> dict:
+    """The model's dropout rates as its modules hold them: part of a run's recipe."""
+    return {"dropout": sorted({m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)})}
+
+
+def file_digest(path) -> str:
+    """sha256 of a data file: a resumed run over other data is another run."""
+    import hashlib
+
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
 def set_dropout(model, p: float | None) -> None:
     """Every dropout rate of a built model (and its config, so a saved checkpoint says the same) to p."""
     if p is None:
@@ -438,7 +477,9 @@ def pretrain(corpus: str, args: TrainArgs, tokenizer: str | None = None, config:
     documents = data.tokenize_documents(data.read_corpus(corpus), tok)
     collator = data.MLMCollator(tok, mlm_probability, args.max_length)
     stream = BatchStream(lambda g: data.nsp_pairs(documents, tok, args.max_length, g), collator, args.batch_size, args.seed)
-    losses = train(model, tok, stream, pretraining_loss, args)
+    recipe = {"corpus_sha256": file_digest(corpus), "config": config, "mlm_probability": mlm_probability,
+              **dropouts(model)}
+    losses = train(model, tok, stream, pretraining_loss, args, recipe)
     _finish_distributed()
     return losses
 
@@ -460,9 +501,9 @@ def read_labelled(path: str) -> list[tuple[str, str]]:
             raise ValueError(f"{where}: the label must be a non-empty string or an integer, got {label!r}")
         rows.append((text, str(label).strip()))
 
-    # utf-8-sig: a byte order mark (Excel's "CSV UTF-8" writes one) is not part of the first field.
+    text = data.utf8_text(path)  # bytes not UTF-8 named by line; a byte order mark (Excel's "CSV UTF-8") dropped
     if path.endswith((".jsonl", ".json")):
-        with open(path, encoding="utf-8-sig") as f:
+        with io.StringIO(text, newline=None) as f:
             for n, line in enumerate(f, 1):
                 if line.strip():
                     try:
@@ -473,7 +514,7 @@ def read_labelled(path: str) -> list[tuple[str, str]]:
                         raise ValueError(f"{path}:{n}: each line needs \"text\" and \"label\"")
                     add(f"{path}:{n}", record["text"], record["label"])
     else:
-        with open(path, encoding="utf-8-sig", newline="") as f:
+        with io.StringIO(text, newline="") as f:
             reader = csv.DictReader(f)
             if not {"text", "label"} <= set(reader.fieldnames or ()):
                 raise ValueError(f"{path}: a CSV needs text and label columns, found {reader.fieldnames}")
@@ -575,7 +616,8 @@ def finetune(train_file: str, model_dir: str, args: TrainArgs, eval_file: str | 
     eval_examples = classification_examples(eval_rows, tok, label2id, args.max_length) if eval_rows else None
     stream = BatchStream(lambda g: examples, lambda chosen, g: data.collate(chosen, tok.pad_token_id),
                          args.batch_size, args.seed)
-    result = {"losses": train(model, tok, stream, classification_loss, args)}
+    recipe = {"train_sha256": file_digest(train_file), **dropouts(model)}
+    result = {"losses": train(model, tok, stream, classification_loss, args, recipe)}
     rank, _ = distributed()
     if eval_examples and rank == 0:
         result.update(evaluate(model, eval_examples, tok.pad_token_id, bf16=args.bf16))
