@@ -519,6 +519,9 @@ def test_finetune_rejects_unknown_eval_labels(tmp_path, base_model):
     (b'{"text": "a", "label": 1}\n{"text": "b", "label": null}\n', "bad.jsonl:2: the label must be"),
     (b'{"text": "a", "label": 1}\n{"text": "b", "label": 1.0}\n', "bad.jsonl:2: the label must be"),
     (b'{"text": "a", "label": 1}\nnot json\n', "bad.jsonl:2: not JSON"),
+    # An unquoted comma in a text: its tail was taken for the label, the label dropped.
+    (b"text,label\nfine,pos\na good, fun movie,pos\n", "bad.csv:3: more fields than the header's 2 \\(a comma in the text"),
+    (b"text,label\nfine,pos\ncaf\xe9,pos\n", "bad.csv line 3: not UTF-8 \\(byte 0xe9 at column 4\\)"),
 ])
 def test_labelled_rows_are_checked_line_by_line(tmp_path, content, message):
     path = tmp_path / ("bad.jsonl" if content.startswith(b"{") else "bad.csv")

@@ -519,6 +519,9 @@ def read_labelled(path: str) -> list[tuple[str, str]]:
             if not {"text", "label"} <= set(reader.fieldnames or ()):
                 raise ValueError(f"{path}: a CSV needs text and label columns, found {reader.fieldnames}")
             for r in reader:
+                if None in r:  # fields past the header's: the label read from the wrong one
+                    raise ValueError(f"{path}:{reader.line_num}: more fields than the header's "
+                                     f"{len(reader.fieldnames)} (a comma in the text? quote the text)")
                 add(f"{path}:{reader.line_num}", r["text"], r["label"])
     if not rows:
         raise ValueError(f"{path} holds no examples")

@@ -118,10 +118,11 @@ def _triton_forward(x, weight, bias, num_heads):
 
 def _triton_backward(grad, x, weight, bias, num_heads):
     # Back from head-major to [..., 3H] rows, then the linear layer's gradients.
-    if x.dim() == 3:
-        grad_rows = grad.permute(1, 3, 0, 2, 4).reshape(*x.shape[:2], -1)  # [B, S, 3, heads, d] -> [B, S, 3H]
-    else:
-        grad_rows = grad.permute(1, 0, 2, 3).reshape(x.shape[0], -1)  # [T, 3, heads, d] -> [T, 3H]
+    # (3H given, not -1: without tokens there is nothing to infer -1 from)
+    if x.dim() == 3:  # [B, S, 3, heads, d] -> [B, S, 3H]
+        grad_rows = grad.permute(1, 3, 0, 2, 4).reshape(*x.shape[:2], weight.shape[0])
+    else:  # [T, 3, heads, d] -> [T, 3H]
+        grad_rows = grad.permute(1, 0, 2, 3).reshape(x.shape[0], weight.shape[0])
     return triton_linear_backward(grad_rows, x, weight, bias, "none")
 
 

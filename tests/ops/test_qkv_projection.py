@@ -1,9 +1,11 @@
 """qkv_projection: one GEMM for q, k and v, returned head-major, on every backend against the float64
 reference."""
+import pytest
 import torch
 
-from fastbert import ops
+from fastbert import dispatch, ops
 from fastbert.ops import reference
+from grids import skip_unless_runnable
 from harness import (SEEDS, Case, OpCheck, Spec, bad_input_test, opcheck_test, parity_tests, randn, st,
                      variant_parity_test)
 
@@ -65,3 +67,15 @@ test_bad_input = bad_input_test([
     (lambda: ops.qkv_projection(torch.randn(2, 3, 8), torch.randn(24, 8), torch.randn(24, device="meta"), 2),
      "bias is on meta but x is on cpu"),
 ])
+
+
+@pytest.mark.parametrize("shape", [(0, 64), (2, 0, 64), (0, 3, 64)], ids=str)
+def test_triton_backward_without_tokens(shape):
+    """The backward's reshape to [..., -1] had nothing to infer -1 from (the forward was fine)."""
+    device = skip_unless_runnable("qkv_projection", "triton", torch.float32)
+    x = torch.randn(*shape, device=device, requires_grad=True)
+    weight, bias = (torch.randn(*s, device=device, requires_grad=True) for s in ((192, 64), (192,)))
+    with dispatch.use_backend("triton", op="qkv_projection"), dispatch.record() as calls:
+        grads = torch.autograd.grad([t.sum() for t in ops.qkv_projection(x, weight, bias, 2)], (x, weight, bias))
+    assert {c.backend for c in calls} == {"triton"}
+    assert grads[0].shape == x.shape and not grads[1].any() and not grads[2].any()
