@@ -167,8 +167,8 @@ def _settings(config, attentions, classes) -> tuple:
 
 def _tree(hf_bert, quantized: bool) -> tuple:
     """What the encoder was built on: each submodule's children (parent, its (name, child) pairs) and
-    _settings (with what they read: the self-attentions, the modules' classes); with int8 copies, also the linears' parameters with their storage and version (the
-    copies are made from their values)."""
+    _settings (with what they read: the self-attentions, the modules' classes); with int8 copies, also the
+    linears' parameters with their storage and version (the copies are made from their values)."""
     parents = tuple((parent, dict(parent._modules), type(parent)) for parent in hf_bert.modules())
     linears = (m for m in hf_bert.encoder.modules() if isinstance(m, torch.nn.Linear)) if quantized else ()
     weights = tuple((m, name, p, p.data_ptr(), p._version) for m in linears for name, p in m._parameters.items()
