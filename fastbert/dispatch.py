@@ -700,7 +700,10 @@ def size_class(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def variant_names(op: str, backend: str) -> tuple[str, ...]:
+def variant_names(op: str, backend: str | None = None) -> tuple[str, ...]:
+    """`backend`'s variants of `op`; without a backend, every backend's (sorted)."""
+    if backend is None:
+        return tuple(sorted({v.name for (o, _), t in _VARIANTS.items() if o == op for v in t.options}))
     table = _VARIANTS.get((op, backend))
     return tuple(v.name for v in table.options) if table else ()
 
@@ -710,8 +713,7 @@ def usable_variants(op: str, backend: str, f: Facts) -> tuple[tuple[Variant, ...
     each other cannot. A forced variant that cannot serve raises BackendUnavailable."""
     table = _VARIANTS.get((op, backend))
     if table is None:
-        forced = forced_variant(op)
-        known = sorted({v.name for (o, _), t in _VARIANTS.items() if o == op for v in t.options})
+        forced, known = forced_variant(op), variant_names(op)
         if forced is not None and forced[0] not in known:  # a misspelt name, not a choice another backend serves
             raise BackendUnavailable(f"{op}: variant {forced[0]!r} was forced ({forced[1]}) but no backend has it "
                                      f"({', '.join(known) if known else f'{op} has no variants'})")

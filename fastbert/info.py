@@ -85,10 +85,9 @@ def settings_report() -> list[str]:
         except ValueError as e:
             problems.append(str(e))
     for op in dispatch.OPS:
-        forced = dispatch.forced_variant(op)
-        known = {v for b in dispatch.BACKENDS for v in dispatch.variant_names(op, b)}
+        forced, known = dispatch.forced_variant(op), dispatch.variant_names(op)
         if forced is not None and forced[0] not in known:
-            problems.append(f"{forced[1]}: {op} has no variant {forced[0]!r} ({', '.join(sorted(known)) or 'none'})")
+            problems.append(f"{forced[1]}: {op} has no variant {forced[0]!r} ({', '.join(known) or 'none'})")
     return lines + [f"  calls raise: {p}" for p in dict.fromkeys(problems)]
 
 

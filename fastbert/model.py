@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint as recompute_in_backward
 from fastbert import checkpoint, dispatch, ops, padding  # checkpoint: HF directories (fastbert/checkpoint.py)
 from fastbert import quantization
 from fastbert.config import BertConfig
+from fastbert.ops import _checks
 from fastbert.ops.qkv_projection import head_major
 from fastbert.quantization import Int8Linear
 
@@ -457,9 +458,8 @@ class BertModel(BertPreTrainedModel):
                 lo, hi = int(t.min()), int(t.max())
                 if lo < 0 or hi >= limit:
                     raise ValueError(f"{name} must lie in [0, {field_name}={limit}), got values from {lo} to {hi}")
-        if attention_mask is not None and attention_mask.dtype != torch.bool:
-            if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
-                raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
+        if attention_mask is not None:
+            _checks.padding_mask_values(attention_mask)
 
     def padding_free(self, x, attention_mask) -> bool:
         """Run the encoder on packed tokens? When there is padding and a varlen kernel can serve."""

@@ -5,7 +5,6 @@ fastbert.encode's windows, batched the same way on every run)."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import itertools
 import json
 import os
@@ -16,6 +15,8 @@ import time
 from typing import Iterator
 
 import numpy as np
+
+from fastbert.apps.files import replace_durably, sha256
 
 
 class InputError(ValueError):
@@ -119,10 +120,8 @@ def _fingerprint(path: str) -> list:
     """[bytes, mtime_ns, sha256]: a file replaced by another of its size and mtime (cp -p, rsync -a) is
     another file, wherever they differ. The whole file is read (~1.5 GB/s: seconds for a corpus that takes
     hours to embed)."""
-    with open(path, "rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
     stat = os.stat(path)
-    return [stat.st_size, stat.st_mtime_ns, digest]
+    return [stat.st_size, stat.st_mtime_ns, sha256(path)]
 
 
 def _manifest(args, input_path, model_dir, output) -> dict:
@@ -178,20 +177,6 @@ def _drop_shards_from(parts: str, first: int) -> None:
             os.remove(os.path.join(parts, name))
 
 
-def _replace_durably(tmp: str, path: str) -> None:
-    """os.replace(tmp, path) once tmp's bytes are on the disk, then the rename itself: after a crash `path`
-    is whole or absent (a file system may write a rename before the data of the file it names)."""
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    if hasattr(os, "O_DIRECTORY"):
-        directory = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
-
-
 def _assemble(parts: str, count: int, out: str, width: int) -> int:
     """The shards ([texts, width] each), in order, into `out` (.npy or .parquet, written under a temporary
     name first)."""
@@ -217,7 +202,7 @@ def _assemble(parts: str, count: int, out: str, width: int) -> int:
                 block = np.load(s)
                 values = pa.FixedSizeListArray.from_arrays(pa.array(block.reshape(-1)), width)
                 writer.write_table(pa.table({"embedding": values}, schema=schema))
-    _replace_durably(tmp, out)  # before the shards go
+    replace_durably(tmp, out)  # before the shards go
     return rows
 
 
@@ -273,7 +258,7 @@ def run(model_dir: str, input_path: str, output: str, dtype: str = "fp32", batch
     _drop_shards_from(parts, done)
     with open(manifest_path + ".tmp", "w") as f:  # a run without shards has nothing to keep: this one's settings
         json.dump(manifest, f, indent=1)
-    _replace_durably(manifest_path + ".tmp", manifest_path)
+    replace_durably(manifest_path + ".tmp", manifest_path)
     if done:
         print(f"resuming after {done} complete shards ({done * shard_texts} texts) in {parts}", file=sys.stderr)
     texts = itertools.islice(texts, done * shard_texts, None)
@@ -299,7 +284,7 @@ def run(model_dir: str, input_path: str, output: str, dtype: str = "fp32", batch
             path = os.path.join(parts, f"{shard:06d}.npy")
             with open(path + ".tmp", "wb") as f:
                 np.save(f, embeddings.numpy())
-            _replace_durably(path + ".tmp", path)  # a shard exists whole or not at all
+            replace_durably(path + ".tmp", path)  # a shard exists whole or not at all
             shard += 1
     except TextTooLong as e:  # text k of the input is its line (or row) k + 1
         where = "row" if input_path.endswith(".parquet") else "line"

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fastbert.apps import data
+from fastbert.apps import data, files
 from fastbert.config import PRESETS, BertConfig
 
 STATE_FILE = "training_state.pt"  # optimizer, scheduler, data position, history: tensors and plain containers
@@ -236,14 +236,11 @@ def save_checkpoint(directory, model, tokenizer, optimizer, scheduler, stream, h
     plot_losses(history["loss"], os.path.join(directory, LOSS_PLOT))
     for name in os.listdir(directory):
         if os.path.isfile(path := os.path.join(directory, name)):
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
+            files.sync(path)
     state = {"step": len(history["loss"]), **history, "optimizer": optimizer.state_dict(),
              "scheduler": scheduler.state_dict(), "data": stream.state_dict()}
     torch.save(state, state_file + ".tmp")
-    with open(state_file + ".tmp", "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(state_file + ".tmp", state_file)
+    files.replace_durably(state_file + ".tmp", state_file)
 
 
 def state_path(directory) -> str:
@@ -429,14 +426,6 @@ def dropouts(model) -> dict:
     return {"dropout": sorted({m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)})}
 
 
-def file_digest(path) -> str:
-    """sha256 of a data file: a resumed run over other data is another run."""
-    import hashlib
-
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def set_dropout(model, p: float | None) -> None:
     """Every dropout rate of a built model (and its config, so a saved checkpoint says the same) to p."""
     if p is None:
@@ -477,7 +466,7 @@ def pretrain(corpus: str, args: TrainArgs, tokenizer: str | None = None, config:
     documents = data.tokenize_documents(data.read_corpus(corpus), tok)
     collator = data.MLMCollator(tok, mlm_probability, args.max_length)
     stream = BatchStream(lambda g: data.nsp_pairs(documents, tok, args.max_length, g), collator, args.batch_size, args.seed)
-    recipe = {"corpus_sha256": file_digest(corpus), "config": config, "mlm_probability": mlm_probability,
+    recipe = {"corpus_sha256": files.sha256(corpus), "config": config, "mlm_probability": mlm_probability,
               **dropouts(model)}
     losses = train(model, tok, stream, pretraining_loss, args, recipe)
     _finish_distributed()
@@ -619,7 +608,7 @@ def finetune(train_file: str, model_dir: str, args: TrainArgs, eval_file: str | 
     eval_examples = classification_examples(eval_rows, tok, label2id, args.max_length) if eval_rows else None
     stream = BatchStream(lambda g: examples, lambda chosen, g: data.collate(chosen, tok.pad_token_id),
                          args.batch_size, args.seed)
-    recipe = {"train_sha256": file_digest(train_file), **dropouts(model)}
+    recipe = {"train_sha256": files.sha256(train_file), **dropouts(model)}
     result = {"losses": train(model, tok, stream, classification_loss, args, recipe)}
     rank, _ = distributed()
     if eval_examples and rank == 0:

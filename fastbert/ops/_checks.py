@@ -27,6 +27,16 @@ def same_dtype_device(**tensors) -> None:
             raise ValueError(f"{name} has dtype {t.dtype} but {first_name} has dtype {dtype}")
 
 
+def padding_mask_values(mask) -> None:
+    """A key-padding mask that is not bool holds only 0 (padding) and 1 (token): it is read as bool, and an
+    additive mask (0 = keep, -inf = drop, transformers' extended form) would be read the other way round.
+    Data-dependent: eager callers only."""
+    if mask.dtype != torch.bool and mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError(f"attention_mask must hold only 0 (padding) and 1 (token), got values from "
+                         f"{float(mask.min())} to {float(mask.max())} (an additive mask, 0 = keep and -inf = "
+                         "drop, is not a key-padding mask)")
+
+
 def features(name: str, t) -> None:
     """A last dimension of 0 leaves nothing to normalize or project: an error, not a reshape deep inside."""
     if t.shape[-1] == 0:

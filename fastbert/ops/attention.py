@@ -28,13 +28,8 @@ def attention(q, k, v, attention_mask=None, dropout_p: float = 0.0, scale: float
             _checks.tensor("attention_mask", attention_mask, (2,), floating=False)
             _checks.same_device("attention_mask", attention_mask, "q", q)
             _checks.shape("attention_mask", attention_mask, (q.shape[0], q.shape[2]), "[batch, seq] of q")
-            # Read as bool: an additive mask (0 = keep, -inf = drop, transformers' extended form) would be
-            # read the other way round. Eager only (data-dependent); the model passes bool masks.
-            if attention_mask.dtype != torch.bool and not torch.compiler.is_compiling() and attention_mask.numel():
-                if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
-                    raise ValueError(f"attention_mask must hold only 0 (padding) and 1 (token), got values from "
-                                     f"{float(attention_mask.min())} to {float(attention_mask.max())} (an additive "
-                                     "mask, 0 = keep and -inf = drop, is not a key-padding mask)")
+            if not torch.compiler.is_compiling():  # (the model passes bool masks: nothing to read there)
+                _checks.padding_mask_values(attention_mask)
         _checks.probability("dropout_p", dropout_p)
     inputs = {"tensors": (q, k, v), "head_dim": q.shape[-1], "dropout_p": dropout_p, "need_weights": need_weights}
     return dispatch.call("attention", inputs, q, k, v, attention_mask, float(dropout_p), scale, need_weights)
