@@ -210,6 +210,30 @@ def test_arguments_fastbert_does_not_serve_go_to_transformers():
     assert_matches(a, plain(inputs_embeds=embeds).last_hidden_state, name="last_hidden_state")
 
 
+@pytest.mark.parametrize("kind", ["mask of 2 and 0.5", "mask of -1", "1-D ids"])
+def test_inputs_read_as_transformers_reads_them(kind):
+    """transformers takes a 2-D mask as `mask != 0` and broadcasts ids given for one sequence: the same
+    numbers from fastbert's kernels, not an error."""
+    hf = transformers.BertModel(transformers.BertConfig(**SMALL)).eval()
+    plain = copy.deepcopy(hf)
+    fastbert.optimize(hf)
+    ids, mask, types = padded_batch(120, [9, 4, 6])
+    inputs = dict(input_ids=ids, attention_mask=mask)
+    if kind == "mask of 2 and 0.5":
+        inputs["attention_mask"] = mask * torch.tensor([2.0, 0.5, 1.0])[:, None]
+    elif kind == "mask of -1":
+        inputs["attention_mask"] = -mask
+    else:
+        inputs.update(token_type_ids=types[0], position_ids=torch.randperm(ids.shape[1]))
+    with fastbert.dispatch.record() as calls:
+        a = hf(**inputs)
+    b = plain(**inputs)
+    assert ran_fastbert(calls)
+    real = mask.bool()
+    assert_matches(a.last_hidden_state[real], b.last_hidden_state[real], name="last_hidden_state")
+    assert_matches(a.pooler_output, b.pooler_output, name="pooler_output")
+
+
 def test_attn_implementation_fastbert_matches_sdpa():
     name = fastbert.register_attention()
     cfg = transformers.BertConfig(**SMALL)

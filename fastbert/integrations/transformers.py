@@ -317,6 +317,12 @@ class OptimizedForward:
             ours.train(hf_bert.training)
         padded = id(hf_bert) in getattr(_reading_pads, "models", ())
         follow_checkpointing(hf_bert, ours)
+        # As transformers reads them: a 2-D mask as `mask != 0` (so 2 or 0.5 is a token), ids of one
+        # sequence shared by the batch (its embedding adds broadcast).
+        if attention_mask is not None and attention_mask.dtype != torch.bool:
+            attention_mask = attention_mask != 0
+        token_type_ids, position_ids = (t.unsqueeze(0) if isinstance(t, torch.Tensor) and t.dim() == 1 else t
+                                        for t in (token_type_ids, position_ids))
         out = ours(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
                    output_hidden_states=raw_setting("output_hidden_states", False),
                    output_attentions=setting("output_attentions", False), allow_unpadding=not padded)
