@@ -44,14 +44,23 @@ def pack(weight: torch.Tensor, rows_hint: int) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), max(rows_hint, 1))
 
 
+def _overlapping(t: torch.Tensor) -> bool:
+    """Do two elements of the 2-D `t` share memory? (A layout with gaps, a slice's, is fine for oneDNN.)"""
+    dims = sorted((stride, size) for size, stride in zip(t.shape, t.stride()) if size > 1)  # inner first
+    return bool(dims) and (dims[0][0] == 0 or len(dims) == 2 and dims[1][0] < dims[0][0] * dims[0][1])
+
+
 def linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str = "none",
            per_thread: bool = False):
     """activation(x2d @ weight.T + bias) for x2d [M, K] in one oneDNN call over all threads, or with
     `per_thread` one single-threaded call per thread on its share of the rows (fastbert._C's
-    dense_onednn_rows); `weight` [N, K] as `pack` made it, or a plain tensor of any strides."""
+    dense_onednn_rows); `weight` [N, K] as `pack` made it, or a plain tensor."""
     attr, scalars, algorithm = POST_OPS[activation]
-    # oneDNN reads the bias as a dense vector whatever its strides (a strided bias gave wrong sums).
+    # oneDNN reads the bias as a dense vector whatever its strides (a strided bias gave wrong sums), and
+    # refuses a weight whose rows or columns overlap in memory (an expanded or as_strided view).
     bias = None if bias is None else bias.contiguous()
+    if _overlapping(weight):
+        weight = weight.contiguous()
     if not per_thread:
         return torch.ops.mkldnn._linear_pointwise(x2d, weight, bias, attr, scalars, algorithm)
     out = _alloc.empty((x2d.shape[0], weight.shape[0]), dtype=x2d.dtype, device=x2d.device)

@@ -275,3 +275,20 @@ def test_triton_gemm_offsets_past_two_to_the_31():
                   cols_per_part=n, cols_per_head=n, stride_part=0, stride_head=0)
     truth = reference.dense(*upcast(x, weight, bias), activation="gelu")
     assert_close(out, truth, torch.float16, "matmul", name="rows 2^30 elements apart")
+
+
+@pytest.mark.parametrize("layout", ["rows overlap", "expanded", "a slice's gaps", "transposed"])
+def test_weight_views_of_any_layout(layout):
+    """oneDNN refuses a weight whose elements share memory ("could not construct a memory descriptor"):
+    such a view is copied first, while a layout oneDNN reads as it is (a slice, a transpose) is not."""
+    torch.manual_seed(0)
+    x, bias = torch.randn(5, 8), torch.randn(6)
+    weight = {"rows overlap": lambda: torch.randn(20).as_strided((6, 8), (2, 1)),
+              "expanded": lambda: torch.randn(1, 8).expand(6, 8),
+              "a slice's gaps": lambda: torch.randn(6, 11)[:, 2:10],
+              "transposed": lambda: torch.randn(8, 6).t()}[layout]()
+    for activation in ("none", "gelu"):
+        with poison_outputs(), dispatch.use_variant("dense", "onednn"), dispatch.record() as calls:
+            out = ops.dense(x, weight, bias, activation=activation)
+        assert_ran(calls, "dense", "cpu")
+        assert_close(out, reference.dense(*upcast(x, weight, bias), activation), torch.float32, "matmul")
