@@ -28,7 +28,7 @@ def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         if bias is not None:
             _checks.shape("bias", bias, (3 * hidden,), "3 x hidden")
         if not isinstance(num_heads, int) or isinstance(num_heads, bool) or num_heads <= 0 or hidden % num_heads:
-            raise ValueError(f"num_heads must be a positive divisor of hidden size {hidden}, got {num_heads}")
+            raise ValueError(f"num_heads must be a positive int dividing the hidden size {hidden}, got {num_heads!r}")
         if prepared is not None and not isinstance(prepared, PreparedWeights):
             raise ValueError(f"prepared must be a fastbert.ops.PreparedWeights or None, got {type(prepared).__name__}")
     inputs = {"tensors": (x, weight, bias), "head_dim": hidden // num_heads}

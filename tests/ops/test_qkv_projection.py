@@ -58,10 +58,12 @@ OPCHECKS = [
 test_opcheck = opcheck_test(OPCHECKS)
 
 test_bad_input = bad_input_test([
-    (lambda: ops.qkv_projection(torch.randn(2, 8), torch.randn(24, 8), torch.randn(24), True), "num_heads must be a positive divisor"),
+    (lambda: ops.qkv_projection(torch.randn(2, 8), torch.randn(24, 8), torch.randn(24), True), "num_heads must be a positive int dividing"),
     (lambda: ops.qkv_projection(torch.randn(2, 8), torch.randn(24, 8), torch.ones(24, dtype=torch.long), 2),
      "bias has dtype torch.int64 but x has dtype torch.float32"),
-    (lambda: ops.qkv_projection(torch.randn(2, 3, 8), torch.randn(24, 8), torch.randn(24), 3), "num_heads must be a positive divisor"),
+    (lambda: ops.qkv_projection(torch.randn(2, 3, 8), torch.randn(24, 8), torch.randn(24), 3), "num_heads must be a positive int dividing"),
+    (lambda: ops.qkv_projection(torch.randn(2, 3, 8), torch.randn(24, 8), torch.randn(24), 2.0),
+     "num_heads must be a positive int dividing the hidden size 8, got 2.0"),
     (lambda: ops.qkv_projection(torch.randn(2, 3, 8), torch.randn(16, 8), torch.randn(24), 2), "weight must have shape \\(24, 8\\)"),
     # Tensors on different devices ("meta" stands in for a second device on a machine without a GPU).
     (lambda: ops.qkv_projection(torch.randn(2, 3, 8), torch.randn(24, 8), torch.randn(24, device="meta"), 2),
