@@ -125,25 +125,36 @@ def main(argv=None) -> int:
             print(f"fastbert encode: {e}", file=sys.stderr)
             return 2
     elif args.command in ("pretrain", "finetune"):
-        from fastbert.apps import train
+        from fastbert.apps import InputError
 
-        # The options share TrainArgs' field names (--batch-size -> batch_size, ...).
-        fields = {f.name for f in dataclasses.fields(train.TrainArgs)} - {"progress"}
-        options = train.TrainArgs(**{name: getattr(args, name) for name in fields}, progress=not args.no_progress)
-        first = os.environ.get("RANK", "0") == "0"  # under torchrun, one process reports
-        if args.command == "pretrain":
-            losses = train.pretrain(args.corpus, options, args.tokenizer, args.config, args.mlm_probability, args.dropout,
-                                    args.model)
-            if first:
-                print(f"pretrained {len(losses)} steps, final loss {losses[-1]:.4f}: {args.out}")
-        else:
-            result = train.finetune(args.train, args.model, options, args.eval, args.tokenizer, args.dropout)
-            if first:
-                print(f"fine-tuned {len(result['losses'])} steps, final loss {result['losses'][-1]:.4f}: {args.out}")
-            if "accuracy" in result:
-                print(f"eval accuracy {result['accuracy']:.4f} ({result['correct']}/{result['total']}), "
-                      f"loss {result['loss']:.4f}")
+        try:
+            train_command(args)
+        except (InputError, FileNotFoundError) as e:  # not a bug: one line, no traceback
+            print(f"fastbert {args.command}: {e}", file=sys.stderr)
+            return 2
     return 0
+
+
+def train_command(args) -> None:
+    """pretrain or finetune as the options say, the first process reporting."""
+    from fastbert.apps import train
+
+    # The options share TrainArgs' field names (--batch-size -> batch_size, ...).
+    fields = {f.name for f in dataclasses.fields(train.TrainArgs)} - {"progress"}
+    options = train.TrainArgs(**{name: getattr(args, name) for name in fields}, progress=not args.no_progress)
+    first = os.environ.get("RANK", "0") == "0"  # under torchrun, one process reports
+    if args.command == "pretrain":
+        losses = train.pretrain(args.corpus, options, args.tokenizer, args.config, args.mlm_probability, args.dropout,
+                                args.model)
+        if first:
+            print(f"pretrained {len(losses)} steps, final loss {losses[-1]:.4f}: {args.out}")
+    else:
+        result = train.finetune(args.train, args.model, options, args.eval, args.tokenizer, args.dropout)
+        if first:
+            print(f"fine-tuned {len(result['losses'])} steps, final loss {result['losses'][-1]:.4f}: {args.out}")
+        if "accuracy" in result:
+            print(f"eval accuracy {result['accuracy']:.4f} ({result['correct']}/{result['total']}), "
+                  f"loss {result['loss']:.4f}")
 
 
 if __name__ == "__main__":

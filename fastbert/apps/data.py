@@ -11,6 +11,8 @@ import io
 
 import torch
 
+from fastbert.apps import InputError
+
 IGNORE = -100  # label of positions that are not scored (cross_entropy's ignore_index)
 
 
@@ -23,7 +25,7 @@ def utf8_text(path) -> str:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         line, column = raw.count(b"\n", 0, e.start) + 1, e.start - raw.rfind(b"\n", 0, e.start)
-        raise ValueError(f"{path} line {line}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {column})") from None
+        raise InputError(f"{path} line {line}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {column})") from None
 
 
 def read_corpus(path) -> list[list[str]]:
@@ -72,13 +74,13 @@ def nsp_pairs(documents: list[list[list[int]]], tokenizer, max_length: int = 128
     `[CLS] A [SEP] B [SEP]`, cut to max_length by trimming the longer segment.
     """
     if max_length < 5:
-        raise ValueError(f"max_length must be at least 5 ([CLS] a [SEP] b [SEP]), got {max_length}")
+        raise InputError(f"max_length must be at least 5 ([CLS] a [SEP] b [SEP]), got {max_length}")
     sentences = [(d, s) for d, doc in enumerate(documents) for s in range(len(doc))]  # all, by document
     first = [0]  # where each document starts in `sentences`
     for doc in documents[:-1]:
         first.append(first[-1] + len(doc))
     if len(documents) < 2:
-        raise ValueError("next-sentence prediction needs at least 2 documents (separate them with blank lines)")
+        raise InputError("next-sentence prediction needs at least 2 documents (separate them with blank lines)")
     cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
     examples = []
     for d, doc in enumerate(documents):
@@ -96,7 +98,7 @@ def nsp_pairs(documents: list[list[list[int]]], tokenizer, max_length: int = 128
                              "token_type_ids": [0] * (len(a) + 2) + [1] * (len(b) + 1),
                              "next_sentence_label": label})
     if not examples:
-        raise ValueError("no sentence pairs: every document has a single sentence")
+        raise InputError("no sentence pairs: every document has a single sentence")
     return examples
 
 
@@ -149,9 +151,9 @@ class MLMCollator:
 
     def __init__(self, tokenizer, mlm_probability: float = 0.15, max_length: int = 128, seed: int | None = None):
         if tokenizer.mask_token_id is None or tokenizer.pad_token_id is None:
-            raise ValueError("the tokenizer needs a mask token and a pad token for masked-LM training")
+            raise InputError("the tokenizer needs a mask token and a pad token for masked-LM training")
         if not 0.0 < mlm_probability < 1.0:
-            raise ValueError(f"mlm_probability must be in (0, 1), got {mlm_probability}")
+            raise InputError(f"mlm_probability must be in (0, 1), got {mlm_probability}")
         self.tokenizer = tokenizer
         self.mlm_probability = mlm_probability
         self.max_length = max_length

@@ -16,11 +16,8 @@ from typing import Iterator
 
 import numpy as np
 
+from fastbert.apps import InputError
 from fastbert.apps.files import replace_durably, sha256
-
-
-class InputError(ValueError):
-    """A problem with the input or the options, in words, naming the line where there is one."""
 
 
 def read_texts(path: str, field: str | None = None, column: str | None = None) -> Iterator[str]:

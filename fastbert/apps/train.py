@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fastbert.apps import data, files
+from fastbert.apps import InputError, data, files
 from fastbert.config import PRESETS, BertConfig
 
 STATE_FILE = "training_state.pt"  # optimizer, scheduler, data position, history: tensors and plain containers
@@ -84,7 +84,7 @@ class BatchStream:
         self.generator = torch.Generator().manual_seed(mix_seed(self.seed, epoch))
         self.examples = self.make_epoch(self.generator)
         if len(self.examples) < self.batch_size:
-            raise ValueError(f"the data has {len(self.examples)} examples per epoch, fewer than one batch "
+            raise InputError(f"the data has {len(self.examples)} examples per epoch, fewer than one batch "
                              f"({self.batch_size}): use a smaller --batch-size or more data")
         self.order = torch.randperm(len(self.examples), generator=self.generator).tolist()
 
@@ -266,14 +266,14 @@ def same_run(directory, args: TrainArgs, recipe: dict | None = None) -> None:
         with open(path, encoding="utf-8") as f:
             saved = json.load(f)
     except (OSError, ValueError):
-        raise ValueError(f"cannot resume from {directory}: its training_args.json is missing or unreadable, so the "
+        raise InputError(f"cannot resume from {directory}: its training_args.json is missing or unreadable, so the "
                          "run's settings cannot be checked") from None
     changed = [f"--{k.replace('_', '-')} {saved[k]} -> {getattr(args, k)}" for k in RUN_ARGS
                if k in saved and saved[k] != getattr(args, k)]
     before = saved.get("recipe", {})
     changed += [f"{k} {before.get(k)} -> {v}" for k, v in (recipe or {}).items() if "recipe" in saved and before.get(k) != v]
     if changed:
-        raise ValueError(f"cannot resume from {directory} with other settings ({', '.join(changed)}): a resumed run "
+        raise InputError(f"cannot resume from {directory} with other settings ({', '.join(changed)}): a resumed run "
                          "continues the same run; start a new one from its weights (--model) to change them")
 
 
@@ -297,16 +297,16 @@ def train(model, tokenizer, stream: BatchStream, loss_fn, args: TrainArgs, recip
                       ("batch-size", args.batch_size < 1), ("grad-accum", args.grad_accum < 1), ("lr", not args.lr > 0)):
         if bad:
             value = getattr(args, name.replace("-", "_"))
-            raise ValueError(f"--{name} must be positive, got {value}")
+            raise InputError(f"--{name} must be positive, got {value}")
     # (a negative clipping norm turned the steps around: gradient ascent)
     for name in ("weight_decay", "warmup_steps", "max_grad_norm", "save_every"):
         value = getattr(args, name)
         if value is not None and not value >= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be 0 or more, got {value}")
+            raise InputError(f"--{name.replace('_', '-')} must be 0 or more, got {value}")
     if args.resume:
         same_run(args.resume, args, recipe)
     if args.batch_size % (args.grad_accum * world):
-        raise ValueError(f"--batch-size {args.batch_size} must be divisible by --grad-accum ({args.grad_accum}) "
+        raise InputError(f"--batch-size {args.batch_size} must be divisible by --grad-accum ({args.grad_accum}) "
                          f"x processes ({world})")
     total_steps = math.ceil(args.epochs * stream.batches_per_epoch) if args.epochs is not None else args.steps
     warmup = args.warmup_steps if args.warmup_steps is not None else total_steps // 10
@@ -404,7 +404,7 @@ def tokenizer_source(resume: str | None, tokenizer: str | None, model_dir: str |
 
 def check_vocab(model, tokenizer) -> None:
     if len(tokenizer) > model.config.vocab_size:
-        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {model.config.vocab_size}")
+        raise InputError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {model.config.vocab_size}")
 
 
 def pretraining_config(name_or_path: str, vocab_size: int) -> BertConfig:
@@ -417,7 +417,7 @@ def pretraining_config(name_or_path: str, vocab_size: int) -> BertConfig:
     with open(path, encoding="utf-8") as f:
         config = BertConfig.from_dict(json.load(f))
     if config.vocab_size < vocab_size:
-        raise ValueError(f"{path}: vocab_size {config.vocab_size} is smaller than the tokenizer's {vocab_size} tokens")
+        raise InputError(f"{path}: vocab_size {config.vocab_size} is smaller than the tokenizer's {vocab_size} tokens")
     return config
 
 
@@ -461,7 +461,7 @@ def pretrain(corpus: str, args: TrainArgs, tokenizer: str | None = None, config:
     check_vocab(model, tok)
     set_dropout(model, dropout)
     if args.max_length > model.config.max_position_embeddings:
-        raise ValueError(f"--max-length {args.max_length} exceeds the model's max_position_embeddings "
+        raise InputError(f"--max-length {args.max_length} exceeds the model's max_position_embeddings "
                          f"({model.config.max_position_embeddings})")
     documents = data.tokenize_documents(data.read_corpus(corpus), tok)
     collator = data.MLMCollator(tok, mlm_probability, args.max_length)
@@ -476,19 +476,19 @@ def pretrain(corpus: str, args: TrainArgs, tokenizer: str | None = None, config:
 # ------------------------------------------------------------------------------ fine-tuning
 
 
-def read_labelled(path: str) -> list[tuple[str, str]]:
-    """(text, label) pairs from a CSV with text and label columns, or JSONL with {"text": ..., "label": ...}.
-    Labels come back as strings ("1", "positive"); a text must be a string and a label a non-empty string or
-    an integer, else the error names the line."""
+def read_labelled(path: str) -> list[tuple[str, str, str]]:
+    """(text, label, where) from a CSV with text and label columns, or JSONL with {"text": ..., "label": ...};
+    `where` is "path:line". Labels come back as strings ("1", "positive"); a text must be a string and a
+    label a non-empty string or an integer, else the error names the line."""
     path = os.fspath(path)
     rows = []
 
     def add(where, text, label):
         if not isinstance(text, str):
-            raise ValueError(f"{where}: the text must be a string, got {type(text).__name__}")
+            raise InputError(f"{where}: the text must be a string, got {type(text).__name__}")
         if isinstance(label, bool) or not isinstance(label, (str, int)) or not str(label).strip():
-            raise ValueError(f"{where}: the label must be a non-empty string or an integer, got {label!r}")
-        rows.append((text, str(label).strip()))
+            raise InputError(f"{where}: the label must be a non-empty string or an integer, got {label!r}")
+        rows.append((text, str(label).strip(), where))
 
     text = data.utf8_text(path)  # bytes not UTF-8 named by line; a byte order mark (Excel's "CSV UTF-8") dropped
     if path.endswith((".jsonl", ".json")):
@@ -498,22 +498,22 @@ def read_labelled(path: str) -> list[tuple[str, str]]:
                     try:
                         record = json.loads(line)
                     except json.JSONDecodeError as e:
-                        raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
+                        raise InputError(f"{path}:{n}: not JSON ({e.msg})") from None
                     if not isinstance(record, dict) or "text" not in record or "label" not in record:
-                        raise ValueError(f"{path}:{n}: each line needs \"text\" and \"label\"")
+                        raise InputError(f"{path}:{n}: each line needs \"text\" and \"label\"")
                     add(f"{path}:{n}", record["text"], record["label"])
     else:
         with io.StringIO(text, newline="") as f:
             reader = csv.DictReader(f)
             if not {"text", "label"} <= set(reader.fieldnames or ()):
-                raise ValueError(f"{path}: a CSV needs text and label columns, found {reader.fieldnames}")
+                raise InputError(f"{path}: a CSV needs text and label columns, found {reader.fieldnames}")
             for r in reader:
                 if None in r:  # fields past the header's: the label read from the wrong one
-                    raise ValueError(f"{path}:{reader.line_num}: more fields than the header's "
+                    raise InputError(f"{path}:{reader.line_num}: more fields than the header's "
                                      f"{len(reader.fieldnames)} (a comma in the text? quote the text)")
                 add(f"{path}:{reader.line_num}", r["text"], r["label"])
     if not rows:
-        raise ValueError(f"{path} holds no examples")
+        raise InputError(f"{path} holds no examples")
     return rows
 
 
@@ -526,9 +526,9 @@ def label_names(labels: list[str], config: BertConfig) -> list[str]:
     if all(label.isascii() and label.lstrip("-").isdigit() and label == str(int(label)) for label in labels):
         values = [int(label) for label in labels]
         if min(values) < 0:
-            raise ValueError("integer labels must be 0 or more")
+            raise InputError("integer labels must be 0 or more")
         if len(set(values)) < 2:
-            raise ValueError(f"classification needs at least 2 classes, the data has only {values[0]}")
+            raise InputError(f"classification needs at least 2 classes, the data has only {values[0]}")
         return [str(i) for i in range(max(values) + 1)]
     return sorted(set(labels))
 
@@ -544,13 +544,13 @@ def classifier_for(model_dir: str, labels: list[str], resuming: bool = False):
     cfg = model.config
     names = label_names(labels, cfg)
     if len(names) < 2:
-        raise ValueError(f"classification needs at least 2 classes, the data has {names}")
+        raise InputError(f"classification needs at least 2 classes, the data has {names}")
     known = [name for name, _ in sorted((cfg.extra.get("label2id") or {}).items(), key=lambda kv: kv[1])]
     generic = known == [f"LABEL_{i}" for i in range(len(known))]  # transformers' default names: none given
     # Another number of classes, or other classes (a trained row must not serve another name): a new head.
     if cfg.num_labels != len(names) or (known and not generic and known != names):
         if resuming:
-            raise ValueError(f"cannot resume from {model_dir}: it was trained on the classes {known}, the data "
+            raise InputError(f"cannot resume from {model_dir}: it was trained on the classes {known}, the data "
                              f"has {names} (resume with the same labelled data, or start a new run from it)")
         model.classifier = nn.Linear(cfg.hidden_size, len(names))
         model.init_weights(model.classifier)
@@ -563,12 +563,16 @@ def classifier_for(model_dir: str, labels: list[str], resuming: bool = False):
 
 
 def classification_examples(rows, tokenizer, label2id: dict[str, int], max_length: int) -> list[dict]:
-    unknown = sorted({label for _, label in rows} - set(label2id))
+    unknown = {}  # label -> where it first occurs
+    for _, label, where in rows:
+        if label not in label2id:
+            unknown.setdefault(label, where)
     if unknown:
-        raise ValueError(f"labels {unknown} are not among the model's classes {sorted(label2id)}")
-    enc = tokenizer([text for text, _ in rows], truncation=True, max_length=max_length)
+        raise InputError(f"labels {sorted(unknown)} are not among the model's classes {sorted(label2id)} (first "
+                         f"at {', '.join(f'{label!r} {where}' for label, where in sorted(unknown.items()))})")
+    enc = tokenizer([text for text, _, _ in rows], truncation=True, max_length=max_length)
     return [{"input_ids": ids, "token_type_ids": types, "label": label2id[label]}
-            for ids, types, (_, label) in zip(enc["input_ids"], enc["token_type_ids"], rows)]
+            for ids, types, (_, label, _) in zip(enc["input_ids"], enc["token_type_ids"], rows)]
 
 
 @torch.no_grad()
@@ -597,12 +601,12 @@ def finetune(train_file: str, model_dir: str, args: TrainArgs, eval_file: str | 
         state_path(args.resume)  # fail before any loading
     tok = load_tokenizer(tokenizer_source(args.resume, tokenizer, model_dir))
     torch.manual_seed(args.seed)  # a fresh head's initial weights
-    model = classifier_for(args.resume or model_dir, [label for _, label in rows], resuming=bool(args.resume))
+    model = classifier_for(args.resume or model_dir, [label for _, label, _ in rows], resuming=bool(args.resume))
     check_vocab(model, tok)
     set_dropout(model, dropout)
     label2id = model.config.extra["label2id"]
     if not 2 <= args.max_length <= model.config.max_position_embeddings:
-        raise ValueError(f"--max-length must be in [2, the model's max_position_embeddings "
+        raise InputError(f"--max-length must be in [2, the model's max_position_embeddings "
                          f"{model.config.max_position_embeddings}], got {args.max_length}")
     examples = classification_examples(rows, tok, label2id, args.max_length)
     eval_examples = classification_examples(eval_rows, tok, label2id, args.max_length) if eval_rows else None
