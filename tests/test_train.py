@@ -434,9 +434,11 @@ def test_linear_schedule():
         rates.append(scheduler.get_last_lr()[0])
         optimizer.step()
         scheduler.step()
-    expected = [0.25, 0.5, 0.75, 1.0, 1.0, 5 / 6, 4 / 6, 3 / 6, 2 / 6, 1 / 6]
+    expected = [0.25, 0.5, 0.75, 1.0, 6 / 7, 5 / 7, 4 / 7, 3 / 7, 2 / 7, 1 / 7]  # the peak once
     assert rates == pytest.approx(expected), rates
     assert scheduler.get_last_lr()[0] == 0.0
+    no_warmup = train.linear_schedule(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0), 0, 4)
+    assert no_warmup.get_last_lr() == [1.0]  # without warmup the first step is at the peak
 
 
 def test_default_tokenizer_and_module_entry_point(tmp_path):

@@ -166,10 +166,12 @@ def make_optimizer(model, lr: float, weight_decay: float) -> torch.optim.AdamW:
 
 def linear_schedule(optimizer, warmup_steps: int, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     """Learning rate rising linearly to its peak over warmup_steps, then falling linearly to 0 at total_steps."""
+    peak = max(warmup_steps - 1, 0)  # the one step at the peak rate: the warmup's last, or the first
+
     def factor(step: int) -> float:  # step: optimizer steps taken so far
         if step < warmup_steps:
             return (step + 1) / warmup_steps  # the first step already moves (no wasted step at lr 0)
-        return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+        return max(0.0, (total_steps - step) / max(1, total_steps - peak))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
