@@ -500,7 +500,8 @@ _UNPLANNABLE = object()  # a key whose forward makes a call that no op named (th
 
 def _state() -> tuple:
     """What every plan's choices depend on beyond its key."""
-    return tuning.enabled(), _generation[0], Plans._epoch[0], len(_choices), len(_picked)
+    return (tuning.enabled(), _generation[0], Plans._epoch[0], len(_choices), len(_picked),
+            torch.get_num_threads())  # what is fastest depends on the threads (tuning.machine)
 
 
 class _Plan:
@@ -675,7 +676,7 @@ class Variants:
 
 
 _VARIANTS: dict[tuple[str, str], Variants] = {}
-_picked: dict[tuple, Variant] = {}  # (selection key, bucket, training) -> the variant measured fastest
+_picked: dict[tuple, Variant] = {}  # (selection key, bucket, training, threads) -> the variant measured fastest
 # One measurement at a time in a process: threads calling an op at once each measured it (each timing taken
 # beside the others' trials), and each ran its own pick, so one input gave other outputs thread to thread.
 # Reentrant: a trial's ops measure what they call in the same thread.
@@ -749,11 +750,12 @@ def _choose_variant(op: str, backend: str, usable: tuple[Variant, ...], key, arg
     training = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
     table = _VARIANTS[(op, backend)]
     bucket = table.bucket(*args)
-    picked = _picked.get((key, bucket, training))
+    pick = (key, bucket, training, torch.get_num_threads())
+    picked = _picked.get(pick)
     if picked is not None:
         return picked
     with _measuring:
-        picked = _picked.get((key, bucket, training))  # another thread's, measured while this one waited
+        picked = _picked.get(pick)  # another thread's, measured while this one waited
         if picked is None:
             dtypes = "/".join(sorted({_dtype_name(d) for _, d in key[1] if d.is_floating_point}))
             cold = table.weights and not training
@@ -761,7 +763,7 @@ def _choose_variant(op: str, backend: str, usable: tuple[Variant, ...], key, arg
             name = f"{op} {backend} {dtypes} {phase} " + " ".join(map(str, bucket))
             with muted():  # the trial runs are not calls anyone made
                 best = tuning.choose(name, {v.name: v.fn for v in usable}, args, training, cold=cold)
-            picked = _picked[(key, bucket, training)] = next(v for v in usable if v.name == best)
+            picked = _picked[pick] = next(v for v in usable if v.name == best)
     return picked
 
 

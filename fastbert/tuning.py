@@ -138,30 +138,31 @@ def _mine(data: dict) -> dict:
     return data[machine()]
 
 
-_table: dict[str, dict] | None = None  # this machine's entries, read once from the cache file
+# machine() -> its entries, each read once from the cache file (machine() names the thread count, which
+# torch.set_num_threads may change: each count has its own measurements).
+_tables: dict[str, dict[str, dict]] = {}
 
 
 def entries() -> dict[str, dict]:
     """{variant key: {"choice": name, "ms": {name: median ms}}} measured on this machine so far."""
-    global _table
+    here = machine()
     with _lock:
-        if _table is None:
-            _table = {key: entry for key, entry in _mine(_read(cache_path())).items() if _valid(entry)}
-        return dict(_table)
+        if here not in _tables:
+            _tables[here] = {key: entry for key, entry in _mine(_read(cache_path())).items() if _valid(entry)}
+        return dict(_tables[here])
 
 
 def forget() -> None:
     """Drop what this process remembers (the file stays): for tests that change the cache directory."""
-    global _table
     with _lock:
-        _table = None
+        _tables.clear()
 
 
 def _store(key: str, entry: dict) -> None:
     path = cache_path()
     with _lock:
-        if _table is not None:  # forget() may have run since entries() read it
-            _table[key] = entry
+        if machine() in _tables:  # forget() may have run since entries() read it
+            _tables[machine()][key] = entry
         tmp = None
         try:  # merge with what other processes wrote since, then replace the file in one step
             path.parent.mkdir(parents=True, exist_ok=True)

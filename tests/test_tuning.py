@@ -420,3 +420,37 @@ def test_the_static_default_follows_the_cpus_features(monkeypatch, amx, head_dim
         dispatch._choices.clear()
     expected = "fastbert" if not amx else "amx" if head_dim % 32 == 0 and amx_runs else "brgemm"
     assert [(c.op, c.variant) for c in calls] == [("attention", expected)]
+
+
+def test_each_thread_count_has_its_own_measurements(tuned, monkeypatch):
+    """What is fastest on 2 threads may not be on 1: after torch.set_num_threads a model's next forward
+    measures again (its replayed plan too), and going back needs no new measurement."""
+    skip_unless_runnable("dense", "cpu", torch.float32)
+    before = torch.get_num_threads()
+    other = 1 if before > 1 else 2
+    real = tuning._medians_ms
+
+    def medians(candidates, *rest):  # the real trials, then "torch" declared fastest on `before` threads only
+        fastest = "torch" if torch.get_num_threads() == before else "onednn"
+        return {name: 1.0 if name == fastest else 5.0 for name in real(candidates, *rest)}
+
+    monkeypatch.setattr(tuning, "_medians_ms", medians)
+    model = fastbert.BertModel(fastbert.BertConfig(vocab_size=50, hidden_size=64, num_attention_heads=2,
+                                                   num_hidden_layers=2, intermediate_size=128)).eval()
+    ids = torch.randint(0, 50, (2, 24))
+
+    def dense_variants():
+        with torch.no_grad(), dispatch.record() as calls:
+            model(ids)
+        return {c.variant for c in calls if c[0] == "dense"}
+
+    try:
+        assert dense_variants() == dense_variants() == {"torch"}  # the second forward replays a plan
+        torch.set_num_threads(other)
+        assert dense_variants() == dense_variants() == {"onednn"}
+        assert len(json.loads((tuned / "variants.json").read_text())) == 2  # a table per thread count
+        torch.set_num_threads(before)
+        monkeypatch.setattr(tuning, "_medians_ms", lambda *a: pytest.fail("measured again"))
+        assert dense_variants() == {"torch"}
+    finally:
+        torch.set_num_threads(before)
