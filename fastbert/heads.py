@@ -124,12 +124,13 @@ def _finish(out: ModelOutput, return_dict: bool):
 
 def scores_pads(labels, attention_mask) -> bool:
     """Labels scored at pad positions (not -100 there): transformers' loss then reads logits of pad tokens
-    run through the encoder, so they must run through it here too (padding-free, they would hold zeros)."""
-    if labels is None or attention_mask is None or labels.shape != attention_mask.shape:
+    run through the encoder, so they must run through it here too (padding-free, they would hold zeros).
+    Per-token labels are any shape of B x S numbers ([B * S], [B, S, 1]): the losses flatten them."""
+    if labels is None or attention_mask is None or labels.numel() != attention_mask.numel():
         return False
     if torch.compiler.is_compiling():
         return False  # compiled, the encoder runs padded anyway (and a data-dependent branch cannot be traced)
-    return bool(((attention_mask == 0) & (labels != -100)).any())
+    return bool(((attention_mask.reshape(-1) == 0) & (labels.reshape(-1) != -100)).any())
 
 
 # ---------------------------------------------------------------------------------- models

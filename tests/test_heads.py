@@ -52,6 +52,11 @@ CASES = {
     "masked_lm-pads_scored": ("BertForMaskedLM", dict(), lambda m: dict(labels=torch.randint(0, V, m.shape)), None),
     "token_cls-pads_scored": ("BertForTokenClassification", dict(num_labels=5),
                               lambda m: dict(labels=torch.randint(0, 5, m.shape)), None),
+    # transformers' losses flatten the labels: [B * S] scores the same positions as [B, S].
+    "masked_lm-pads_scored-flat": ("BertForMaskedLM", dict(), lambda m: dict(labels=torch.randint(0, V, (m.numel(),))),
+                                   None),
+    "pretraining-pads_scored-flat": ("BertForPreTraining", dict(), lambda m: dict(
+        labels=torch.randint(0, V, (*m.shape, 1)), next_sentence_label=torch.randint(0, 2, (B,))), None),
 }
 
 
