@@ -431,8 +431,9 @@ class BertModel(BertPreTrainedModel):
         if input_ids.device != weights.device:
             raise ValueError(f"input_ids is on {input_ids.device} but the model's parameters are on {weights.device}")
         cfg = self.config
-        if s > cfg.max_position_embeddings:
-            raise ValueError(f"sequence length {s} exceeds max_position_embeddings ({cfg.max_position_embeddings})")
+        if s > cfg.max_position_embeddings and position_ids is None:  # given ids are checked by value below
+            raise ValueError(f"sequence length {s} exceeds max_position_embeddings ({cfg.max_position_embeddings})"
+                             " (pass position_ids for sequences packed in one row)")
         for name, t in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids), ("position_ids", position_ids)):
             if t is None:
                 continue

@@ -51,6 +51,30 @@ def test_ids_shared_by_the_batch_match_transformers():
     assert_matches(a.last_hidden_state[real], b.last_hidden_state[real], name="last_hidden_state")
 
 
+def test_a_row_without_tokens_and_rows_past_the_positions_match_transformers():
+    """A row whose mask is all 0 attends no position, as in transformers' default (sdpa: its attention
+    outputs are zeros; eager's are a uniform average); a row longer than max_position_embeddings runs
+    where position_ids are given (sequences packed in a row)."""
+    ours, theirs = twins(vocab_size=211, max_position_embeddings=16, **CONFIGS["d32-1layer-gelu"])
+    ids, mask, types = padded_batch(211, [11, 6, 1])
+    mask[1] = 0
+    with fastbert.dispatch.record() as calls:
+        a = ours(ids, attention_mask=mask, token_type_ids=types)
+    b = theirs(input_ids=ids, attention_mask=mask, token_type_ids=types)
+    assert calls and all(backend != "reference" for _, backend in calls) or fastbert.dispatch.machine_reasons("cpu")
+    real = mask.bool()
+    real[1] = True
+    assert_matches(a.last_hidden_state[real], b.last_hidden_state[real], name="last_hidden_state")
+    assert_matches(a.pooler_output, b.pooler_output, name="pooler_output")
+
+    packed = torch.randint(1, 211, (2, 24))
+    positions = torch.cat([torch.arange(12), torch.arange(12)])[None]
+    a, b = ours(packed, position_ids=positions), theirs(input_ids=packed, position_ids=positions)
+    assert_matches(a.last_hidden_state, b.last_hidden_state, name="last_hidden_state")
+    with pytest.raises(ValueError, match="sequence length 24 exceeds max_position_embeddings \\(16\\)"):
+        ours(packed)
+
+
 def test_hidden_states_and_attentions_match_transformers():
     ours, theirs = twins(attn_implementation="eager", vocab_size=99, **CONFIGS["d32-3layers-tanh"])
     ids, mask, types = padded_batch(99, [7, 3])
