@@ -48,6 +48,11 @@ class BertConfig:
             self.num_labels = len(self.extra["id2label"]) if self.extra.get("id2label") else 2
         self.validate()
 
+    def output_setting(self, name: str, value):
+        """A forward's output_hidden_states / output_attentions / return_dict: the call's, else config.json's
+        (transformers reads the config where the call says None), else transformers' default."""
+        return value if value is not None else self.extra.get(name, name == "return_dict")
+
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads

@@ -118,8 +118,8 @@ _MLM_TIES = {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.
              "cls.predictions.decoder.bias": "cls.predictions.bias"}
 
 
-def _finish(out: ModelOutput, return_dict: bool):
-    return out if return_dict else out.to_tuple()
+def _finish(out: ModelOutput, return_dict: bool | None, config):
+    return out if config.output_setting("return_dict", return_dict) else out.to_tuple()
 
 
 def scores_pads(labels, attention_mask) -> bool:
@@ -147,16 +147,16 @@ class BertForMaskedLM(BertPreTrainedModel):
         self.tie_weights()
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
-                output_hidden_states: bool = False, output_attentions: bool = False, return_dict: bool = True):
+                output_hidden_states: bool | None = None, output_attentions: bool | None = None, return_dict: bool | None = None):
         """labels [B, S]: token ids to predict, -100 where no prediction is scored."""
         out = self.bert(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
-                        output_hidden_states=output_hidden_states, output_attentions=output_attentions,
+                        output_hidden_states=output_hidden_states, output_attentions=output_attentions, return_dict=True,
                         allow_unpadding=not scores_pads(labels, attention_mask))
         logits = self.cls(out.last_hidden_state)  # [B, S, V]
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits.reshape(-1, self.config.vocab_size), labels.reshape(-1), ignore_index=-100)
-        return _finish(MaskedLMOutput(loss, logits, out.hidden_states, out.attentions), return_dict)
+        return _finish(MaskedLMOutput(loss, logits, out.hidden_states, out.attentions), return_dict, self.config)
 
 
 class BertForPreTraining(BertPreTrainedModel):
@@ -170,12 +170,12 @@ class BertForPreTraining(BertPreTrainedModel):
         self.tie_weights()
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
-                next_sentence_label=None, output_hidden_states: bool = False, output_attentions: bool = False,
-                return_dict: bool = True):
+                next_sentence_label=None, output_hidden_states: bool | None = None, output_attentions: bool | None = None,
+                return_dict: bool | None = None):
         """labels [B, S] as for BertForMaskedLM; next_sentence_label [B]: 0 = B follows A, 1 = random.
         The loss (MLM + NSP) needs both, as in transformers."""
         out = self.bert(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
-                        output_hidden_states=output_hidden_states, output_attentions=output_attentions,
+                        output_hidden_states=output_hidden_states, output_attentions=output_attentions, return_dict=True,
                         allow_unpadding=not scores_pads(labels, attention_mask))
         prediction_logits, seq_logits = self.cls(out.last_hidden_state, out.pooler_output)
         loss = None
@@ -184,7 +184,7 @@ class BertForPreTraining(BertPreTrainedModel):
             nsp = F.cross_entropy(seq_logits.reshape(-1, 2), next_sentence_label.reshape(-1))
             loss = mlm + nsp
         return _finish(BertForPreTrainingOutput(loss, prediction_logits, seq_logits, out.hidden_states, out.attentions),
-                       return_dict)
+                       return_dict, self.config)
 
 
 class _Classifier(BertPreTrainedModel):
@@ -204,13 +204,13 @@ class BertForSequenceClassification(_Classifier):
         super().__init__(config, add_pooling_layer=True)
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
-                output_hidden_states: bool = False, output_attentions: bool = False, return_dict: bool = True):
+                output_hidden_states: bool | None = None, output_attentions: bool | None = None, return_dict: bool | None = None):
         """labels [B]: class ids (single label), floats (regression), or [B, L] floats (multi label)."""
         out = self.bert(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
-                        output_hidden_states=output_hidden_states, output_attentions=output_attentions)
+                        output_hidden_states=output_hidden_states, output_attentions=output_attentions, return_dict=True)
         logits = linear(self.classifier, self.dropout(out.pooler_output))  # [B, L]
         loss = self.loss(logits, labels) if labels is not None else None
-        return _finish(SequenceClassifierOutput(loss, logits, out.hidden_states, out.attentions), return_dict)
+        return _finish(SequenceClassifierOutput(loss, logits, out.hidden_states, out.attentions), return_dict, self.config)
 
     def loss(self, logits, labels):
         cfg = self.config
@@ -237,16 +237,16 @@ class BertForTokenClassification(_Classifier):
         super().__init__(config, add_pooling_layer=False)
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
-                output_hidden_states: bool = False, output_attentions: bool = False, return_dict: bool = True):
+                output_hidden_states: bool | None = None, output_attentions: bool | None = None, return_dict: bool | None = None):
         """labels [B, S]: class ids, -100 where no prediction is scored (pads, word-piece continuations)."""
         out = self.bert(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
-                        output_hidden_states=output_hidden_states, output_attentions=output_attentions,
+                        output_hidden_states=output_hidden_states, output_attentions=output_attentions, return_dict=True,
                         allow_unpadding=not scores_pads(labels, attention_mask))
         logits = linear(self.classifier, self.dropout(out.last_hidden_state))  # [B, S, L]
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits.reshape(-1, self.num_labels), labels.reshape(-1), ignore_index=-100)
-        return _finish(TokenClassifierOutput(loss, logits, out.hidden_states, out.attentions), return_dict)
+        return _finish(TokenClassifierOutput(loss, logits, out.hidden_states, out.attentions), return_dict, self.config)
 
 
 class BertForQuestionAnswering(BertPreTrainedModel):
@@ -260,15 +260,15 @@ class BertForQuestionAnswering(BertPreTrainedModel):
         self.init_weights(self.qa_outputs)
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, start_positions=None,
-                end_positions=None, output_hidden_states: bool = False, output_attentions: bool = False,
-                return_dict: bool = True):
+                end_positions=None, output_hidden_states: bool | None = None, output_attentions: bool | None = None,
+                return_dict: bool | None = None):
         """start_positions, end_positions [B]: token index of the answer span; an index past the input
         is ignored. The loss needs both, as in transformers."""
         with_loss = start_positions is not None and end_positions is not None
         # transformers' span loss takes its softmax over every position, pads included, so with a loss
         # the pad tokens must run through the encoder as they do there.
         out = self.bert(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
-                        output_hidden_states=output_hidden_states, output_attentions=output_attentions,
+                        output_hidden_states=output_hidden_states, output_attentions=output_attentions, return_dict=True,
                         allow_unpadding=not with_loss)
         logits = linear(self.qa_outputs, out.last_hidden_state)  # [B, S, 2]
         start_logits, end_logits = (t.contiguous() for t in logits.unbind(-1))  # [B, S] each
@@ -280,4 +280,4 @@ class BertForQuestionAnswering(BertPreTrainedModel):
             end = end_positions.reshape(-1).clamp(0, s)
             loss = (F.cross_entropy(start_logits, start, ignore_index=s) + F.cross_entropy(end_logits, end, ignore_index=s)) / 2
         return _finish(QuestionAnsweringModelOutput(loss, start_logits, end_logits, out.hidden_states, out.attentions),
-                       return_dict)
+                       return_dict, self.config)

@@ -468,13 +468,16 @@ class BertModel(BertPreTrainedModel):
         return dispatch.prefers_varlen(x, self.config.head_dim, dropout_p) and padding.worth_unpadding(attention_mask)
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
-                output_hidden_states: bool | int | list[int] = False, output_attentions: bool = False,
-                return_dict: bool = True, allow_unpadding: bool = True):
+                output_hidden_states: bool | int | list[int] | None = None, output_attentions: bool | None = None,
+                return_dict: bool | None = None, allow_unpadding: bool = True):
         """Outputs as transformers' BertModel. With padding and a varlen kernel, the encoder runs on
         packed tokens and last_hidden_state (and hidden_states) hold zeros at pad positions;
         allow_unpadding=False runs pad tokens through the encoder, for callers that read those positions.
         output_hidden_states: True, or (as transformers 5 takes it) an index or a list of them."""
         self.check_inputs(input_ids, attention_mask, token_type_ids, position_ids)
+        setting = self.config.output_setting  # None: config.json's, as in transformers
+        output_hidden_states = setting("output_hidden_states", output_hidden_states)
+        output_attentions, return_dict = setting("output_attentions", output_attentions), setting("return_dict", return_dict)
         selection, output_hidden_states = output_hidden_states, bool(output_hidden_states)  # 0: none, as there
         if attention_mask is not None:
             attention_mask = attention_mask.bool()  # [B, S], True = token

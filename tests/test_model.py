@@ -1,5 +1,6 @@
 """BertModel gives transformers' numbers: outputs at real positions and every parameter gradient."""
 import contextlib
+import json
 
 import pytest
 import torch
@@ -112,6 +113,28 @@ def test_hidden_states_selected_by_index_as_in_transformers(selection):
     for i, (x, y) in enumerate(zip(a, b)):
         if y is not None:
             assert_matches(x[real], y[real], name=f"hidden_states[{i}]")
+
+
+@pytest.mark.parametrize("model_class", ["BertModel", "BertForSequenceClassification"])
+def test_output_settings_of_config_json_are_the_defaults_as_in_transformers(model_class, tmp_path):
+    """output_hidden_states, output_attentions and return_dict in config.json decide where the call does not."""
+    _, theirs = twins("eager", vocab_size=99, model_class=model_class, **CONFIGS["d32-1layer-gelu"])
+    settings = dict(output_hidden_states=True, output_attentions=True, return_dict=False)
+    for name, value in settings.items():
+        setattr(theirs.config, name, value)
+    theirs.save_pretrained(tmp_path)
+    assert settings.items() <= json.loads((tmp_path / "config.json").read_text()).items()
+    ours = getattr(fastbert, model_class).from_pretrained(tmp_path).eval()
+    ids, mask, _ = padded_batch(99, [7, 3])
+    a, b = ours(ids, attention_mask=mask), theirs(input_ids=ids, attention_mask=mask)
+    assert isinstance(a, tuple) and isinstance(b, tuple)
+    a_states, b_states = a[-2], b[-2] if model_class != "BertModel" else b[2]
+    assert len(a_states) == len(b_states) == 2
+    assert_matches(a_states[1][mask.bool()], b_states[1][mask.bool()], name="hidden_states[1]")
+    assert_matches(a[-1][0], (b[-1] if model_class != "BertModel" else b[3])[0], name="attentions[0]")
+    # The call's own settings win.
+    out = ours(ids, attention_mask=mask, output_hidden_states=False, output_attentions=False, return_dict=True)
+    assert out.hidden_states is None and out.attentions is None
 
 
 def test_state_dict_round_trip_strict_both_ways():
