@@ -26,10 +26,18 @@ class Recipe:
     prompt: str = ""  # put before every text (the directory's default prompt)
     include_prompt: bool = True  # False: the prompt's tokens (and [CLS]) are left out of the pooling
     lowercase: bool = False  # sentence_bert_config.json's do_lower_case
+    truncate_dim: int | None = None  # the first this many numbers of an embedding kept (after Normalize)
 
     def __post_init__(self):
         if self.pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
+        if self.truncate_dim is not None and (isinstance(self.truncate_dim, bool) or not isinstance(self.truncate_dim, int)
+                                              or self.truncate_dim < 1):
+            raise ValueError(f"truncate_dim must be a positive int, got {self.truncate_dim!r}")
+
+    def width(self, hidden_size: int) -> int:
+        """The numbers in one pooled embedding of a model of `hidden_size`."""
+        return min(hidden_size, self.truncate_dim or hidden_size)
 
 
 # The modules of a sentence-transformers directory (modules.json) fastbert runs: the encoder, then these.
@@ -47,9 +55,17 @@ def _json(directory, *path) -> dict | list | None:
         return json.load(f)
 
 
+def encoder_dir(directory):
+    """Where a sentence-transformers directory keeps its encoder (config.json, weights, tokenizer,
+    sentence_bert_config.json): its Transformer module's path, "" now, "0_Transformer" in older saves."""
+    modules = _json(directory, "modules.json") if directory is not None else None
+    path = modules[0].get("path", "") if isinstance(modules, list) and modules and isinstance(modules[0], dict) else ""
+    return os.path.join(os.fspath(directory), path) if path else directory
+
+
 def recipe_of(directory=None, pooling: str | None = None, normalize: bool | None = None) -> Recipe:
     """The recipe of a model directory: sentence-transformers' (modules.json: Transformer, then Pooling and
-    Normalize; do_lower_case; the default prompt), or, for a plain transformers directory or none, mean pooling
+    Normalize; do_lower_case; the default prompt; truncate_dim), or, for a plain transformers directory or none, mean pooling
     normalized. `pooling` / `normalize`, where given, replace the directory's. A pipeline with modules fastbert
     does not run (Dense, ...) raises, naming them, rather than give other embeddings than sentence-transformers."""
     found = {}
@@ -69,7 +85,8 @@ def recipe_of(directory=None, pooling: str | None = None, normalize: bool | None
         prompt_name = settings.get("default_prompt_name")
         found = dict(pooling=mode, normalize="Normalize" in kinds, include_prompt=bool(config.get("include_prompt", True)),
                      prompt=(settings.get("prompts") or {}).get(prompt_name, "") if prompt_name else "",
-                     lowercase=bool((_json(directory, "sentence_bert_config.json") or {}).get("do_lower_case")))
+                     lowercase=bool((_json(encoder_dir(directory), "sentence_bert_config.json") or {}).get("do_lower_case")),
+                     truncate_dim=settings.get("truncate_dim"))
     given = {k: v for k, v in (("pooling", pooling), ("normalize", normalize)) if v is not None}
     return Recipe(**{**found, **given})
 
@@ -85,17 +102,18 @@ class TextTooLong(ValueError):
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt")
 
 
-def load(directory, dtype: str = "fp32", tokenizer=None):
-    """(model, tokenizer) from an HF BERT directory (the tokenizer as given, else the directory's); dtype
-    "fp32", "bf16" or "int8" (fastbert.quantize, the activations between int8 GEMMs in
-    quantization.fast_activation_dtype())."""
+def load(directory, dtype: str | None = "fp32", tokenizer=None):
+    """(model, tokenizer) from an HF BERT directory (the tokenizer as given, else the directory's; a
+    sentence-transformers one's encoder, encoder_dir); dtype "fp32", "bf16" or "int8" (fastbert.quantize, the
+    activations between int8 GEMMs in quantization.fast_activation_dtype()), None: as saved (int8 or fp32)."""
     import transformers
 
     from fastbert import quantization
     from fastbert.model import BertModel
 
-    if dtype not in ("fp32", "bf16", "int8"):
+    if dtype not in ("fp32", "bf16", "int8", None):
         raise ValueError(f"dtype must be fp32, bf16 or int8, got {dtype!r}")
+    directory = encoder_dir(directory)
     # Without its files transformers makes a tokenizer of 5 special tokens from config.json alone (every
     # word [UNK]: embeddings of nothing, and no error).
     if tokenizer is None and os.path.isdir(directory) and not any(os.path.exists(os.path.join(directory, name)) for name in TOKENIZER_FILES):
@@ -103,6 +121,7 @@ def load(directory, dtype: str = "fp32", tokenizer=None):
                          "there (tokenizer.save_pretrained(directory)) or pass tokenizer=")
     model = BertModel.from_pretrained(directory)
     saved_int8 = quantization.is_quantized(model)
+    dtype = dtype or ("int8" if saved_int8 else "fp32")
     if saved_int8 and dtype != "int8":
         raise ValueError(f"{directory} holds an int8 model (saved quantized): its dtype is int8, not {dtype}")
     if dtype == "bf16":
@@ -116,7 +135,8 @@ def default_max_length(model, tokenizer, directory=None) -> int:
     """sentence-transformers' max_seq_length where the directory has one, else what the tokenizer allows; at
     most the model's positions (a max_seq_length past them, which sentence-transformers takes, fails there on
     the first text that long)."""
-    length = (_json(directory, "sentence_bert_config.json") or {}).get("max_seq_length") if directory is not None else None
+    settings = _json(encoder_dir(directory), "sentence_bert_config.json") if directory is not None else None
+    length = (settings or {}).get("max_seq_length")
     return int(min(length or tokenizer.model_max_length, model.config.max_position_embeddings))
 
 
@@ -259,7 +279,9 @@ def _pool(hidden, mask, recipe: Recipe, skipped: int):
     else:
         count = m.sum(1).clamp_min(1e-9)
         pooled = (hidden * m).sum(1) / (count if mode == "mean" else count.sqrt())
-    return torch.nn.functional.normalize(pooled, dim=-1) if recipe.normalize else pooled
+    if recipe.normalize:
+        pooled = torch.nn.functional.normalize(pooled, dim=-1)
+    return pooled[:, : recipe.truncate_dim]  # as sentence-transformers cuts: after Normalize, not normalized again
 
 
 def encode_windows(model, texts: Iterable[str], tokenizer, recipe: Recipe = Recipe(), batch_tokens: int = 16384,
@@ -339,7 +361,7 @@ def encode(model, texts: Iterable[str], tokenizer=None, pooling: str | None = No
     directory = None
     if isinstance(model, (str, os.PathLike)):
         directory = model
-        model, tokenizer = load(directory, tokenizer=tokenizer)
+        model, tokenizer = load(directory, None, tokenizer)  # as saved: fp32, or int8 where it was quantized
     if tokenizer is None:
         raise ValueError("encode() needs the model's tokenizer (or pass a model directory instead of a model)")
     how = recipe_of(directory, pooling, normalize)
@@ -349,5 +371,5 @@ def encode(model, texts: Iterable[str], tokenizer=None, pooling: str | None = No
     if how.pooling == "none":
         return [t for part in parts for t in part]
     if not parts:
-        return torch.empty(0, model.config.hidden_size)
+        return torch.empty(0, how.width(model.config.hidden_size))
     return torch.cat(parts)

@@ -189,7 +189,7 @@ def tiny_bert_dir(tmp_path_factory):
 
 
 def _sentence_transformers_dir(base, path, pooling, normalize=True, prompt=None, include_prompt=True, lower=False,
-                               dense=False, max_seq_length=None):
+                               dense=False, max_seq_length=None, truncate_dim=None):
     st = pytest.importorskip("sentence_transformers")
     from sentence_transformers import models
 
@@ -197,7 +197,7 @@ def _sentence_transformers_dir(base, path, pooling, normalize=True, prompt=None,
                models.Pooling(64, pooling_mode=pooling, include_prompt=include_prompt)]
     modules += [models.Dense(64, 32)] if dense else []
     modules += [models.Normalize()] if normalize else []
-    model = st.SentenceTransformer(modules=modules, device="cpu")
+    model = st.SentenceTransformer(modules=modules, device="cpu", truncate_dim=truncate_dim)
     if max_seq_length:
         model.max_seq_length = max_seq_length
     if prompt:
@@ -216,12 +216,13 @@ def _sentence_transformers_dir(base, path, pooling, normalize=True, prompt=None,
     ("cls", dict(prompt="query: ", include_prompt=False)), ("mean", dict(lower=True)),
     ("mean", dict(prompt="Query: ", include_prompt=False, lower=True)),
     ("mean", dict(prompt="a prompt longer than the texts may be " * 3, include_prompt=False, max_seq_length=12)),
-    ("mean", dict(max_seq_length=8, left=True)), ("mean", dict(prompt="query: ", include_prompt=False, max_seq_length=8, left=True))],
+    ("mean", dict(max_seq_length=8, left=True)), ("mean", dict(prompt="query: ", include_prompt=False, max_seq_length=8, left=True)),
+    ("mean", dict(truncate_dim=16)), ("cls", dict(truncate_dim=16, normalize=False))],
     ids=str)
 def test_a_sentence_transformers_directory_is_run_as_sentence_transformers_runs_it(tmp_path, tiny_bert_dir, pooling,
                                                                                   options):
-    """Its pooling, Normalize (or none), default prompt (its tokens pooled or not) and do_lower_case, read
-    from the directory: the embeddings sentence-transformers gives."""
+    """Its pooling, Normalize (or none), default prompt (its tokens pooled or not), do_lower_case and
+    truncate_dim, read from the directory: the embeddings sentence-transformers gives."""
     base = tiny_bert_dir
     if options.get("lower"):  # a cased tokenizer (on the uncased vocabulary): lowercasing the text changes its ids
         import shutil
@@ -244,7 +245,34 @@ def test_a_sentence_transformers_directory_is_run_as_sentence_transformers_runs_
     texts = ["The Cat sits on the mat.", "", "A longer sentence about the weather in Lisbon and Porto.", "Hi",
              "Before [SEP] after", "ΟΔΟΣ ΣΟΦΟΣ"]
     want = theirs.encode(texts, convert_to_tensor=True)
-    assert_matches(fastbert.encode(str(tmp_path / "st"), texts), want, name="embeddings")
+    ours = fastbert.encode(str(tmp_path / "st"), texts)
+    assert ours.shape == want.shape
+    assert_matches(ours, want, name="embeddings")
+    if options.get("truncate_dim"):  # the command writes what the function gives
+        from fastbert.apps.encode import run
+
+        run(str(tmp_path / "st"), str(_txt(tmp_path, texts)), str(tmp_path / "out.npy"), progress=False)
+        assert_matches(torch.from_numpy(np.load(tmp_path / "out.npy")), want, name="embeddings")
+
+
+def test_a_sentence_transformers_directory_of_the_older_layout(tmp_path, tiny_bert_dir):
+    """Older sentence-transformers saves keep the encoder (weights, tokenizer, sentence_bert_config.json) in a
+    subfolder that modules.json names ("0_Transformer")."""
+    import shutil
+
+    theirs = _sentence_transformers_dir(tiny_bert_dir, tmp_path / "st", "cls", max_seq_length=9, lower=True)
+    old = tmp_path / "old"
+    shutil.copytree(tmp_path / "st", old / "0_Transformer", ignore=shutil.ignore_patterns("1_Pooling", "2_Normalize", "modules.json"))
+    for module in ("1_Pooling", "2_Normalize", "config_sentence_transformers.json"):
+        shutil.move(old / "0_Transformer" / module if module.endswith(".json") else tmp_path / "st" / module, old / module)
+    modules = json.loads((tmp_path / "st" / "modules.json").read_text())
+    modules[0]["path"] = "0_Transformer"
+    (old / "modules.json").write_text(json.dumps(modules))
+    texts = ["The Cat sits on the mat.", "A longer sentence about the weather in Lisbon and Porto.", ""]
+    want = theirs.encode(texts, convert_to_tensor=True)
+    assert_matches(pytest.importorskip("sentence_transformers").SentenceTransformer(str(old), device="cpu")
+                   .encode(texts, convert_to_tensor=True), want, name="sentence-transformers on the older layout")
+    assert_matches(fastbert.encode(str(old), texts), want, name="embeddings")
 
 
 def test_a_max_seq_length_past_the_positions_stops_at_them(tmp_path, tiny_bert_dir):
@@ -587,7 +615,9 @@ def test_a_directory_saved_int8_is_loaded_as_int8_only(tmp_path, tiny_bert_dir):
     for dtype in ("fp32", "bf16"):
         with pytest.raises(ValueError, match=f"holds an int8 model \\(saved quantized\\): its dtype is int8, not {dtype}"):
             load(tmp_path, dtype)
-    loaded, _ = load(tmp_path, "int8")
+    loaded, tokenizer = load(tmp_path, "int8")
+    # encode() of the directory runs it as saved.
+    assert torch.equal(fastbert.encode(str(tmp_path), SENTENCES[:5]), fastbert.encode(loaded, SENTENCES[:5], tokenizer))
     with torch.inference_mode():
         ids = torch.randint(1000, 2000, (2, 7))
         assert_matches(loaded(ids).last_hidden_state.float(), model.to(loaded.embeddings.word_embeddings.weight.dtype)(ids)

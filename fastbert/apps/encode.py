@@ -241,7 +241,7 @@ def run(model_dir: str, input_path: str, output: str, dtype: str = "fp32", batch
         shutil.rmtree(parts)
     os.makedirs(parts, exist_ok=True)
     manifest_path = os.path.join(parts, "manifest.json")
-    width = model.config.hidden_size
+    width = how.width(model.config.hidden_size)
     done = _whole_shards(parts, shard_texts, width)
     if any(not name.endswith(".tmp") for name in _shard_files(parts)):  # whole or not, another run's are refused
         previous = {}

@@ -54,7 +54,7 @@ class Embedder:
         windows = encode_windows(self.model, texts, self.tokenizer, self.recipe, self.batch_tokens, self.max_length,
                                  self.truncate, window=max(len(texts), 1))
         embeddings = [e.numpy() for _, e in windows]  # one window (none for an empty batch)
-        width = self.model.config.hidden_size
+        width = self.recipe.width(self.model.config.hidden_size)
         embeddings = np.concatenate(embeddings, dtype=np.float32) if embeddings else np.empty((0, width), np.float32)
         if table:
             import pyarrow as pa
