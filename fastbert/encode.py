@@ -87,6 +87,10 @@ def recipe_of(directory=None, pooling: str | None = None, normalize: bool | None
                      prompt=(settings.get("prompts") or {}).get(prompt_name, "") if prompt_name else "",
                      lowercase=bool((_json(encoder_dir(directory), "sentence_bert_config.json") or {}).get("do_lower_case")),
                      truncate_dim=settings.get("truncate_dim"))
+    if normalize is not None and not isinstance(normalize, bool):
+        raise TypeError(f"normalize must be True, False or None (the directory's), got {normalize!r}")
+    if normalize and pooling == "none":
+        raise ValueError("pooling='none' gives each text's token states, which are not normalized: leave normalize unset")
     given = {k: v for k, v in (("pooling", pooling), ("normalize", normalize)) if v is not None}
     return Recipe(**{**found, **given})
 
@@ -172,6 +176,7 @@ def cache_tokens(model, device: torch.device) -> int | None:
 
 SEQUENCE = 128  # tokens per sequence of forward_tokens' trial batches
 SMALLEST_FORWARD = 2048  # narrower batches lost to wider ones on every CPU measured (benchmarks/RESULTS.md)
+WIDEST_TRIAL = 1 << 15  # wider forwards are not tried (a budget of 10**9 tokens must not allocate for them)
 
 
 def forward_tokens(model, device: torch.device, budget: int) -> int:
@@ -179,15 +184,17 @@ def forward_tokens(model, device: torch.device, budget: int) -> int:
     activations through memory once they leave the cache, and the cache a VM's sysfs reports need not be the
     one it gets (a Xeon VM reporting 480 MiB of L3 ran MiniLM bf16 1.3x faster at 8192 tokens than at 16384):
     so the first call times the model's first layer on `budget` random tokens, cut into forwards of each power
-    of two from SMALLEST_FORWARD up to the budget, and keeps the fastest, cached per machine (fastbert.tuning).
-    FASTBERT_CPU_TUNE=0: cache_tokens' rule. GPUs: the budget."""
+    of two from SMALLEST_FORWARD up to the budget (at most WIDEST_TRIAL), and keeps the fastest, cached per
+    machine (fastbert.tuning). FASTBERT_CPU_TUNE=0, or a model other than fastbert's BertModel (a transformers
+    one): cache_tokens' rule. GPUs: the budget."""
     from fastbert import padding, tuning
+    from fastbert.model import BertModel
 
     if device.type != "cpu":
         return budget
-    if not tuning.enabled():
+    if not tuning.enabled() or not isinstance(model, BertModel):
         return min(budget, cache_tokens(model, device) or budget)
-    sizes = [SMALLEST_FORWARD << i for i in range(16) if SMALLEST_FORWARD << i <= budget]
+    sizes = [SMALLEST_FORWARD << i for i in range(16) if SMALLEST_FORWARD << i <= min(budget, WIDEST_TRIAL)]
     if len(sizes) < 2:
         return budget
     layer, config = model.encoder.layer[0], model.config
@@ -284,15 +291,36 @@ def _pool(hidden, mask, recipe: Recipe, skipped: int):
     return pooled[:, : recipe.truncate_dim]  # as sentence-transformers cuts: after Normalize, not normalized again
 
 
+def _check_encoder(model) -> None:
+    """A BERT encoder (fastbert's BertModel, or transformers'), with its weights: else an error naming what it is."""
+    if not isinstance(model, torch.nn.Module) or not hasattr(getattr(model, "config", None), "max_position_embeddings"):
+        hint = ("; a SentenceTransformer: pass its directory, or run its own encode() after fastbert.optimize(model)"
+                if hasattr(model, "encode") else "")
+        raise TypeError(f"encode() takes a BERT encoder (fastbert.BertModel, a transformers BertModel) or a model "
+                        f"directory, got {type(model).__name__}{hint}")
+    if isinstance(getattr(model, "bert", None), torch.nn.Module):
+        raise TypeError(f"encode() takes a BERT encoder, got {type(model).__name__}, a model with a task head: pass "
+                        "its encoder, model.bert")
+    weight = next(model.parameters(), None)
+    if weight is None or weight.is_meta:
+        raise ValueError("the model's parameters are on the meta device (no weights loaded)")
+
+
 def encode_windows(model, texts: Iterable[str], tokenizer, recipe: Recipe = Recipe(), batch_tokens: int = 16384,
                    max_length: int | None = None, truncate: bool = True, window: int = 4096,
                    on_batch=None) -> Iterator[tuple[int, object]]:
     """(index of the window's first text, its embeddings in input order) per window of `window` texts;
     `on_batch(texts, tokens)` after each batch (progress)."""
+    for name, value in (("batch_tokens", batch_tokens), ("window", window), ("max_length", max_length)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{name} must be an int, got {value!r}")
     if batch_tokens < 1 or window < 1:
         raise ValueError(f"batch_tokens and window must be positive, got {batch_tokens} and {window}")
     if max_length is not None and max_length < 2:
         raise ValueError(f"max_length must be at least 2 ([CLS] and [SEP]), got {max_length}")
+    if not isinstance(truncate, bool):
+        raise TypeError(f"truncate must be True or False, got {truncate!r}")
+    _check_encoder(model)
     if isinstance(texts, (str, bytes)):
         raise TypeError("texts must be an iterable of str, got one str (its characters would be the texts): pass [text]")
     limit = model.config.max_position_embeddings
@@ -309,8 +337,7 @@ def encode_windows(model, texts: Iterable[str], tokenizer, recipe: Recipe = Reci
     training = model.training
     torch.nn.Module.train(model, False)
     try:
-        # The budget bounds memory; on a CPU the model runs it in batches of the width measured fastest there.
-        budget = forward_tokens(model, device, batch_tokens)
+        budget = None
         pad = tokenizer.pad_token_id or 0
         start, it = 0, iter(texts)
         while True:
@@ -328,6 +355,11 @@ def encode_windows(model, texts: Iterable[str], tokenizer, recipe: Recipe = Reci
             if recipe.prompt:
                 chunk = [recipe.prompt + t for t in chunk]
             ids = tokenize(tokenizer, chunk, max_length, truncate, start)
+            if budget is None:
+                # The budget bounds memory; on a CPU the model runs it in batches of the width measured fastest
+                # there. A corpus of one window within the narrowest width is one batch whatever is measured.
+                small = len(chunk) < window and len(ids) * max(map(len, ids)) <= SMALLEST_FORWARD
+                budget = batch_tokens if small else forward_tokens(model, device, batch_tokens)
             results: list = [None] * len(chunk)
             for batch in token_budget_batches([len(r) for r in ids], budget):
                 longest = len(ids[batch[0]])
@@ -362,6 +394,7 @@ def encode(model, texts: Iterable[str], tokenizer=None, pooling: str | None = No
     if isinstance(model, (str, os.PathLike)):
         directory = model
         model, tokenizer = load(directory, None, tokenizer)  # as saved: fp32, or int8 where it was quantized
+    _check_encoder(model)
     if tokenizer is None:
         raise ValueError("encode() needs the model's tokenizer (or pass a model directory instead of a model)")
     how = recipe_of(directory, pooling, normalize)

@@ -104,13 +104,17 @@ def test_the_forward_width_is_measured_once_per_machine(monkeypatch, tmp_path):
         assert entry["choice"] == str(width) and all(ms > 0 for ms in entry["ms"].values())
         tuning.forget()  # another process reads the file and measures nothing, and embeds no trial tokens
         embedded = []
-        monkeypatch.setattr(model.embeddings, "forward", lambda *a, **k: embedded.append(1))
-        assert ENCODE.forward_tokens(model, cpu, 10000) == width and len(timed) == 1 and not embedded
+        with monkeypatch.context() as patch:
+            patch.setattr(model.embeddings, "forward", lambda *a, **k: embedded.append(1))
+            assert ENCODE.forward_tokens(model, cpu, 10000) == width and len(timed) == 1 and not embedded
+        # A budget past the widest trial: the trials stop there (10**9 random tokens were made and ran out of memory).
+        assert ENCODE.forward_tokens(model, cpu, 10**9) <= ENCODE.WIDEST_TRIAL
+        assert max(int(size) for size in timed[-1]) == ENCODE.WIDEST_TRIAL and len(timed) == 2
         assert ENCODE.forward_tokens(model, cpu, 3000) == 3000  # one candidate: nothing to measure
         assert ENCODE.forward_tokens(model, torch.device("cuda"), 10000) == 10000  # GPUs: the budget as given
         monkeypatch.setenv("FASTBERT_CPU_TUNE", "0")  # the static default: the cache rule
         assert ENCODE.forward_tokens(model, cpu, 10000) == min(10000, ENCODE.cache_tokens(model, cpu) or 10000)
-        assert len(timed) == 1
+        assert len(timed) == 2
     finally:
         tuning.forget()
 
@@ -172,6 +176,46 @@ def test_bad_arguments_are_named(minilm):
         fastbert.encode(model, ["a"], tokenizer, max_length=0)
     with pytest.raises(TypeError, match="got one str"):
         fastbert.encode(model, "a sentence", tokenizer)
+    for name, value in (("batch_tokens", "100"), ("batch_tokens", 100.5), ("max_length", 5.5), ("window", True)):
+        with pytest.raises(TypeError, match=f"{name} must be an int, got {re.escape(repr(value))}"):
+            fastbert.encode(model, ["a"], tokenizer, **{name: value})
+    with pytest.raises(TypeError, match="truncate must be True or False, got 'no'"):
+        fastbert.encode(model, ["a"], tokenizer, truncate="no")
+    with pytest.raises(TypeError, match="normalize must be True, False or None"):
+        fastbert.encode(model, ["a"], tokenizer, normalize="no")
+    with pytest.raises(ValueError, match="pooling='none' gives each text's token states, which are not normalized"):
+        fastbert.encode(model, ["a"], tokenizer, pooling="none", normalize=True)
+    # What is not a BERT encoder with weights is named.
+    head = fastbert.BertForSequenceClassification(model.config)
+    with pytest.raises(TypeError, match="BertForSequenceClassification, a model with a task head: pass its encoder"):
+        fastbert.encode(head, ["a"], tokenizer)
+    with pytest.raises(TypeError, match="encode\\(\\) takes a BERT encoder .* got dict"):
+        fastbert.encode({}, ["a"], tokenizer)
+    with torch.device("meta"):
+        empty = fastbert.BertModel(model.config)
+    with pytest.raises(ValueError, match="on the meta device"):
+        fastbert.encode(empty, ["a"], tokenizer)
+
+
+def test_a_transformers_model_and_a_small_corpus_with_tuning_on(monkeypatch, tmp_path, tiny_bert_dir):
+    """With measuring on: a transformers BertModel is encoded (the forward-width trial ran fastbert's layer
+    signature on it and failed), and a corpus within the narrowest forward measures no width."""
+    import transformers
+
+    from fastbert import tuning
+
+    monkeypatch.setenv("FASTBERT_CPU_TUNE", "1")
+    monkeypatch.setenv("FASTBERT_CACHE_DIR", str(tmp_path))
+    tuning.forget()
+    try:
+        model, tokenizer = load(tiny_bert_dir)
+        hf = transformers.BertModel.from_pretrained(tiny_bert_dir)
+        texts = SENTENCES[:150]  # past the narrowest forward: the width is chosen
+        assert_matches(fastbert.encode(hf, texts, tokenizer), fastbert.encode(model, texts, tokenizer), name="embeddings")
+        monkeypatch.setattr(ENCODE, "forward_tokens", lambda *a: pytest.fail("measured the width of one short text"))
+        assert fastbert.encode(model, ["a short text"], tokenizer, batch_tokens=10**9).shape == (1, 64)
+    finally:
+        tuning.forget()
 
 
 @pytest.fixture(scope="module")
