@@ -218,6 +218,9 @@ def quantize(model: nn.Module, mode: str = "dynamic", calibration=None, observer
         raise ValueError("calibration is for mode='static'; dynamic quantization measures each token itself")
     if observer not in OBSERVERS:
         raise ValueError(f"observer must be one of {OBSERVERS}, got {observer!r}")
+    if mode == "dynamic" and observer != "minmax":
+        raise ValueError(f"observer={observer!r} is for mode='static' (calibration); dynamic quantization takes each "
+                         "token's own range")
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     config, training = getattr(model, "config", None), model.training
     layers = replace_linears(model, mode)

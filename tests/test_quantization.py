@@ -271,6 +271,8 @@ def test_static_needs_calibration_and_saves_its_scales(tmp_path):
         fastbert.quantize(fastbert.BertModel(small_config()), "static")
     with pytest.raises(ValueError, match="calibration is for mode='static'"):
         fastbert.quantize(fastbert.BertModel(small_config()), calibration=[torch.ones(1, 3, dtype=torch.long)])
+    with pytest.raises(ValueError, match="observer='percentile' is for mode='static'"):  # it was ignored
+        fastbert.quantize(fastbert.BertModel(small_config()), observer="percentile")
     model = fastbert.quantize(fastbert.BertModel(small_config()), "static",
                               calibration=[torch.randint(5, 500, (2, 16)) for _ in range(2)], observer="percentile")
     model.save_pretrained(tmp_path)
