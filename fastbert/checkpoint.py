@@ -6,6 +6,8 @@ don't, and the old TF-converted LayerNorm names (gamma / beta).
 """
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import logging
 import os
@@ -41,7 +43,8 @@ def read_state_dict(directory: str) -> dict[str, torch.Tensor]:
         except pickle.UnpicklingError as e:  # weights_only refuses anything but tensors and plain containers
             raise ValueError(f"{path} was refused: it holds more than tensors (fastbert never unpickles code): {e}") from None
         except (RuntimeError, OSError, EOFError) as e:
-            raise ValueError(f"{path} is not a readable PyTorch file (truncated or corrupted?): {e}") from None
+            raise ValueError(f"{path} is not a readable PyTorch file (truncated or corrupted?): "
+                             f"{str(e) or type(e).__name__}") from None
         if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
             raise ValueError(f"{path} must hold a dict of tensors")
         return state
@@ -52,10 +55,14 @@ def read_state_dict(directory: str) -> dict[str, torch.Tensor]:
             return load(path)
         path = os.path.join(directory, index)
         if os.path.isfile(path):
-            with open(path, encoding="utf-8") as f:
-                weight_map = json.load(f).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise ValueError(f"{path} has no weight_map (tensor name -> shard file): not a shard index")
+            try:
+                with open(path, encoding="utf-8") as f:
+                    index = json.load(f)
+            except ValueError as e:  # not JSON, or not UTF-8
+                raise ValueError(f"{path} is not a shard index: not JSON ({e})") from None
+            weight_map = index.get("weight_map") if isinstance(index, dict) else None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise ValueError(f"{path} has no weight_map (tensor name -> shard file name): not a shard index")
             shards = sorted(set(weight_map.values()))
             state: dict[str, torch.Tensor] = {}
             for shard in shards:
@@ -89,17 +96,71 @@ def map_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], prefi
     return mapped, ignored
 
 
-def from_pretrained(cls, directory, dtype: torch.dtype | None = None, **kwargs):
+# transformers' config settings that BertConfig keeps in `extra`, and from_pretrained takes as overrides
+_EXTRA_SETTINGS = ("id2label", "label2id", "output_hidden_states", "output_attentions", "return_dict")
+
+
+def _config(cls, directory: str, config, overrides: dict) -> BertConfig:
+    """The directory's config (or `config`: fastbert's or transformers' BertConfig) with `overrides`, keyword
+    arguments of from_pretrained that are config settings (num_labels=3, ...), as transformers takes them."""
+    if config is None:
+        config = BertConfig.from_pretrained(directory)
+    elif not isinstance(config, BertConfig):
+        if not callable(getattr(config, "to_dict", None)):
+            raise TypeError(f"config must be a fastbert or transformers BertConfig, got {type(config).__name__}")
+        config = BertConfig.from_dict(config.to_dict())
+    if not overrides:
+        return config
+    fields = {f.name for f in dataclasses.fields(BertConfig)} - {"extra"}
+    unknown = sorted(k for k in overrides if k not in fields and k not in _EXTRA_SETTINGS)
+    if unknown:
+        why = " (fastbert runs its own attention kernels)" if "attn_implementation" in unknown else ""
+        raise TypeError(f"{cls.__name__}.from_pretrained: {', '.join(unknown)} is neither an argument of "
+                        f"{cls.__name__} nor a BertConfig setting{why}")
+    settings = config.to_dict()
+    if "num_labels" in overrides and "id2label" not in overrides:  # new classes: their old names go
+        settings = {k: v for k, v in settings.items() if k not in ("id2label", "label2id")}
+    elif "id2label" in overrides and "num_labels" not in overrides:
+        settings["num_labels"] = len(overrides["id2label"])
+    return BertConfig.from_dict({**settings, **overrides})
+
+
+def _dtype(dtype, config: BertConfig, state: dict) -> torch.dtype | None:
+    """from_pretrained's dtype: a torch.dtype, its name ("bfloat16"), or "auto" (the checkpoint's: config.json's
+    dtype, else its weights')."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        saved = config.extra.get("dtype") or config.extra.get("torch_dtype")
+        if not isinstance(saved, str):
+            return next((t.dtype for t in state.values() if t.is_floating_point()), None)
+        dtype = saved
+    named = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else None
+    if not isinstance(named, torch.dtype) or not named.is_floating_point:
+        raise ValueError(f"dtype must be a floating torch.dtype, its name ('bfloat16') or 'auto', got {dtype!r}")
+    return named
+
+
+def from_pretrained(cls, directory, dtype: torch.dtype | str | None = None, *, config=None, torch_dtype=None,
+                    **kwargs):
+    """`cls` with the weights of the HF directory; `dtype` (or its older name torch_dtype) as _dtype takes it;
+    keyword arguments that `cls` does not take are config settings (num_labels=3), as in transformers."""
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"{directory} is not a directory (fastbert loads local HF directories)")
-    config = BertConfig.from_pretrained(directory)
-    model = cls(config, **kwargs)
+    if torch_dtype is not None:
+        if dtype is not None and dtype != torch_dtype:
+            raise ValueError(f"dtype={dtype!r} and torch_dtype={torch_dtype!r} disagree (torch_dtype is dtype's older name)")
+        dtype = torch_dtype
+    takes = set(inspect.signature(cls.__init__).parameters) - {"self", "config"}
+    config = _config(cls, directory, config, {k: v for k, v in kwargs.items() if k not in takes})
+    model = cls(config, **{k: v for k, v in kwargs.items() if k in takes})
     quantized = config.extra.get("fastbert_quantization")
     if quantized:  # saved by a quantized model: its int8 weights and scales load as they were saved
         quantization.replace_linears(model, quantized["mode"])
         model.requires_grad_(False)  # as quantize() leaves it
     state = read_state_dict(directory)
+    dtype = _dtype(dtype, config, state)
     mapped, ignored = map_state_dict(model, state)
     expected = model.state_dict()
     if quantized:

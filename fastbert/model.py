@@ -388,7 +388,7 @@ class BertPreTrainedModel(nn.Module):
     is_gradient_checkpointing = is_activation_checkpointing
 
     @classmethod
-    def from_pretrained(cls, directory, dtype: torch.dtype | None = None, **kwargs):
+    def from_pretrained(cls, directory, dtype: torch.dtype | str | None = None, **kwargs):
         return checkpoint.from_pretrained(cls, directory, dtype=dtype, **kwargs)
 
     def save_pretrained(self, directory) -> None:

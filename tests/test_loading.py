@@ -66,10 +66,13 @@ def test_loads_sharded_weights_only_bin(tmp_path):
     assert_same_states(fastbert.BertModel.from_pretrained(tmp_path), hf)
 
 
-def test_a_shard_index_without_its_map_is_a_clear_error(tmp_path):
+@pytest.mark.parametrize("index,message", [
+    ('{"metadata": {}}', "has no weight_map"), ('["a list"]', "has no weight_map"),
+    ('{"weight_map": {"x": 3}}', "has no weight_map"), ('{"weight_map": ', "is not a shard index: not JSON")])
+def test_a_shard_index_without_its_map_is_a_clear_error(tmp_path, index, message):
     transformers.BertConfig(**SMALL).save_pretrained(tmp_path)
-    (tmp_path / "model.safetensors.index.json").write_text('{"metadata": {}}')
-    with pytest.raises(ValueError, match="model.safetensors.index.json has no weight_map"):
+    (tmp_path / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(ValueError, match=f"model.safetensors.index.json {message}"):
         fastbert.BertModel.from_pretrained(tmp_path)
 
 
@@ -80,6 +83,9 @@ def test_truncated_bin_is_a_clear_error(tmp_path):
     data = (tmp_path / "pytorch_model.bin").read_bytes()
     (tmp_path / "pytorch_model.bin").write_bytes(data[: len(data) // 2])
     with pytest.raises(ValueError, match="pytorch_model.bin is not a readable PyTorch file \\(truncated or corrupted"):
+        fastbert.BertModel.from_pretrained(tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="\\(truncated or corrupted\\?\\): EOFError"):  # not an empty reason
         fastbert.BertModel.from_pretrained(tmp_path)
 
 
@@ -213,3 +219,36 @@ def test_dtype_argument(tmp_path):
     assert all(p.dtype == torch.bfloat16 for p in ours.parameters())
     out = ours(torch.tensor([[3, 4, 5]]))[0]
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    # As transformers takes it: a name, its older keyword, "auto" (the checkpoint's dtype).
+    for given in (dict(dtype="bfloat16"), dict(torch_dtype=torch.bfloat16), dict(torch_dtype="bfloat16")):
+        assert {p.dtype for p in fastbert.BertModel.from_pretrained(tmp_path, **given).parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in fastbert.BertModel.from_pretrained(tmp_path, dtype="auto").parameters()} == {torch.float32}
+    fastbert.BertModel.from_pretrained(tmp_path, dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    assert {p.dtype for p in fastbert.BertModel.from_pretrained(tmp_path / "bf16", dtype="auto").parameters()} == {torch.bfloat16}
+    with pytest.raises(ValueError, match="dtype must be a floating torch.dtype, its name \\('bfloat16'\\) or 'auto', got 'int8'"):
+        fastbert.BertModel.from_pretrained(tmp_path, dtype="int8")
+    with pytest.raises(ValueError, match="disagree"):
+        fastbert.BertModel.from_pretrained(tmp_path, dtype=torch.float16, torch_dtype=torch.bfloat16)
+
+
+def test_config_settings_and_a_config_as_arguments(tmp_path):
+    """Keyword arguments the model does not take are config settings, as in transformers; config= replaces
+    config.json; anything else is named."""
+    hf_saved(tmp_path, transformers.BertForSequenceClassification, num_labels=3)
+    cls = fastbert.BertForSequenceClassification
+    model = cls.from_pretrained(tmp_path, problem_type="multi_label_classification", output_hidden_states=True)
+    assert model.config.problem_type == "multi_label_classification" and model.config.num_labels == 3
+    assert len(model(torch.tensor([[3, 4, 5]]), return_dict=True).hidden_states) == SMALL["num_hidden_layers"] + 1
+    named = cls.from_pretrained(tmp_path, id2label={0: "a", 1: "b", 2: "c"})
+    assert named.config.num_labels == 3 and named.config.extra["id2label"] == {0: "a", 1: "b", 2: "c"}
+    with pytest.raises(ValueError, match="mis-shaped tensors: .*classifier.weight: checkpoint \\(3, 64\\), model \\(5, 64\\)"):
+        cls.from_pretrained(tmp_path, num_labels=5)  # the checkpoint's head has 3 classes
+    own = fastbert.BertConfig.from_pretrained(tmp_path)
+    own.hidden_dropout_prob = 0.3
+    assert cls.from_pretrained(tmp_path, config=own).config.hidden_dropout_prob == 0.3
+    theirs = transformers.BertConfig.from_pretrained(tmp_path)
+    assert cls.from_pretrained(tmp_path, config=theirs).config.num_labels == 3
+    assert not fastbert.BertModel.from_pretrained(tmp_path, add_pooling_layer=False).pooler  # the model's own argument
+    with pytest.raises(TypeError, match="attn_implementation is neither an argument of BertForSequenceClassification "
+                                        "nor a BertConfig setting \\(fastbert runs its own attention kernels\\)"):
+        cls.from_pretrained(tmp_path, attn_implementation="sdpa")
