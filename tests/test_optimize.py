@@ -247,6 +247,15 @@ def test_attn_implementation_fastbert_matches_sdpa():
     assert [op for op, _ in calls] == ["attention"] * SMALL["num_hidden_layers"]
     real = mask.bool()
     assert_matches(a[real], b[real], name="last_hidden_state")
+    # Asked for, the attention probabilities come back as eager's (they were an empty tuple).
+    eager = transformers.BertModel._from_config(copy.deepcopy(cfg), attn_implementation="eager").eval()
+    eager.load_state_dict(sdpa.state_dict())
+    a = ours(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    b = eager(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    assert len(a) == len(b) == SMALL["num_hidden_layers"]
+    for x, y in zip(a, b):
+        keys = real[:, None, None, :].expand_as(y)  # (eager gives pad keys ~1e-38, fastbert 0: both nothing)
+        assert_matches(x[keys], y[keys], name="attentions")
 
 
 @pytest.fixture(scope="module")

@@ -422,6 +422,10 @@ def register_attention(name: str = "fastbert") -> str:
                 raise ValueError("fastbert attention takes padding masks only (every query sees the same keys); "
                                  "this mask differs between queries: use attn_implementation='sdpa'")
             attention_mask = keys
+        if kwargs.get("output_attentions"):  # the probabilities too, as eager returns them
+            out, weights = ops.attention(query, key, value, attention_mask, dropout_p=dropout, scale=scaling,
+                                         need_weights=True)
+            return out.transpose(1, 2), weights
         out = ops.attention(query, key, value, attention_mask, dropout_p=dropout, scale=scaling)
         return out.transpose(1, 2), None
 
