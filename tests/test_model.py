@@ -249,3 +249,30 @@ def test_kernel_backend_matches_reference_model(backend, dtype):
     floor = grad_floor(dtype, truth_grads)
     for name, g in grads.items():
         assert_close(g.cpu(), truth_grads[name], dtype, "grad", naive=naive_grads[name], name=name, floor=floor)
+
+
+def test_second_derivatives_are_refused_by_name_and_run_on_the_reference():
+    """fastbert's kernels have no second derivative: a gradient penalty (create_graph=True) or torch.func.grad
+    names the way out (torch's message told the user to register an autograd formula), which gives
+    transformers' numbers (eager's: torch's CPU flash attention under sdpa has no second derivative either)."""
+    ours, theirs = twins("eager", vocab_size=211, **CONFIGS["d32-1layer-gelu"])
+    ids, mask, _ = padded_batch(211, LENGTHS)
+
+    def penalty(model, **inputs):
+        out = model(input_ids=ids, attention_mask=mask, **inputs).pooler_output
+        params = [p for p in model.parameters() if p.requires_grad]
+        grads = torch.autograd.grad(out.pow(2).sum(), params, create_graph=True, allow_unused=True)
+        return sum(g.pow(2).sum() for g in grads if g is not None)
+
+    with pytest.raises(RuntimeError, match="no second derivative .* fastbert.use_backend\\('reference'\\)"):
+        penalty(ours)
+    params = dict(ours.named_parameters())
+    with pytest.raises(RuntimeError, match="cannot be differentiated by torch.func"):
+        torch.func.grad(lambda p: torch.func.functional_call(ours, p, (ids, mask)).pooler_output.sum())(params)
+    with fastbert.use_backend("reference"):
+        a = penalty(ours)
+        a.backward()
+    b = penalty(theirs)
+    b.backward()
+    assert_matches(a, b, name="gradient penalty")
+    assert_same_gradients(ours, theirs)

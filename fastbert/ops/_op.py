@@ -24,14 +24,25 @@ def needs_grad(*tensors) -> bool:
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
+_DIFFERENTIATING = (torch._C._functorch.TransformType.Grad, torch._C._functorch.TransformType.Jvp)
+
+
 def entry(op, *tensors):
     """`op.direct` where the custom op would do nothing but cost time, else `op` itself: under
     torch.compile, where autograd records the call, inside torch.func transforms (vmap's wrapped
     tensors look like plain ones, and out= kernels have no batching rule) and for tensor subclasses
-    (fake, functional)."""
-    if torch.compiler.is_compiling() or needs_grad(*tensors):
+    (fake, functional). torch.func's grad / jvp cannot differentiate a custom op: an error that says so."""
+    if torch.compiler.is_compiling():
         return op
     if torch._C._functorch.peek_interpreter_stack() is not None:  # no public API for "in a transform"
+        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+        if any(i.key() in _DIFFERENTIATING for i in retrieve_all_functorch_interpreters()):
+            raise RuntimeError(f"fastbert::{getattr(op, '_name', 'op')}: fastbert's kernels cannot be differentiated "
+                               "by torch.func (grad, jacrev, jvp, ...); run the model under "
+                               "fastbert.use_backend('reference') for them (torch.func.vmap works)")
+        return op
+    if needs_grad(*tensors):
         return op
     if any(t is not None and type(t) not in _PLAIN for t in tensors):
         return op
@@ -87,6 +98,10 @@ class KernelPair:
         ctx.input_meta = tuple(TENSOR if isinstance(a, torch.Tensor) else a for a in inputs)
 
     def _autograd(self, ctx, *grads):
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():  # backward(create_graph=True)
+            raise RuntimeError(f"fastbert::{self.spec.name}: fastbert's kernels have no second derivative (a "
+                               "backward with create_graph=True, a gradient penalty); run the model under "
+                               "fastbert.use_backend('reference') for it")
         tensors, others = iter(ctx.saved_tensors), iter(ctx.others)
         saved = [next(tensors) if t else next(others) for t in ctx.is_tensor]
         first = next((a for a in saved if isinstance(a, torch.Tensor)), None)
