@@ -364,14 +364,11 @@ def _select(op, devices, dtype_names, head_dim, dropout, need_weights, quantize_
 
 def prefers_varlen(x: torch.Tensor, head_dim: int, dropout_p: float) -> bool:
     """Whether the model should run padding-free: a kernel, not the reference's per-sequence loop,
-    would serve varlen_attention. Eager only (the padding check that precedes it reads values)."""
+    would serve varlen_attention. Eager only (the padding check that precedes it reads values). A
+    backend or variant forced for varlen_attention that cannot serve raises, as at any call."""
     if torch.compiler.is_compiling():
         return False
-    inputs = {"tensors": (x,), "head_dim": head_dim, "dropout_p": dropout_p}
-    try:
-        backend, _ = select("varlen_attention", inputs)
-    except BackendUnavailable:
-        return False
+    backend, _ = select("varlen_attention", {"tensors": (x,), "head_dim": head_dim, "dropout_p": dropout_p})
     return backend != "reference"
 
 

@@ -225,6 +225,14 @@ def test_forced_variants_run_or_say_why_not(monkeypatch):
     with dispatch.use_backend("reference"), dispatch.use_variant("dense", "bogus"), pytest.raises(
             dispatch.BackendUnavailable, match="'bogus' was forced \\(use_variant\\(\\)\\) but no backend has it \\(.*torch"):
         ops.dense(x, w, b)
+    # A model with padding asks whether varlen_attention can serve before it unpads: a forced variant that
+    # cannot is named there too (the model ran padded attention instead, without a word).
+    monkeypatch.delenv("FASTBERT_VARIANT_ADD_LAYER_NORM")
+    model = fastbert.BertModel(fastbert.BertConfig(vocab_size=50, hidden_size=32, num_attention_heads=2,
+                                                   num_hidden_layers=1, intermediate_size=64)).eval()
+    with dispatch.use_variant("varlen_attention", "bogus"), pytest.raises(
+            dispatch.BackendUnavailable, match="varlen_attention: variant 'bogus' was forced"):
+        model(torch.randint(0, 50, (2, 6)), attention_mask=torch.tensor([[1] * 6, [1] * 3 + [0] * 3]))
 
 
 def test_training_calls_are_measured_with_their_backward(tuned):
