@@ -374,6 +374,11 @@ def optimize(model, quantize: str | None = None):
     later (resized embeddings, adapters) are followed: the encoder is rebuilt on them, or, where they are
     not plain torch modules, transformers' own forward runs (with a warning).
 
+    With padding in a batch the encoder runs padding-free, so the pad positions of last_hidden_state and
+    hidden_states hold zeros where transformers computes values no mask lets count. The BertFor* heads'
+    losses that read pad positions (labels at pads, the span loss) run the pads through the encoder, as
+    transformers does; code of your own that reads them (pooling without the mask) gets other numbers.
+
     quantize="int8": the encoder's linears run as int8 copies (fastbert.quantize, dynamic per-token
     activations), for inference only; transformers' own float weights stay in place (its forward still
     serves what fastbert's does not), and the copies are made again when they change (after a write through
