@@ -369,7 +369,8 @@ def encode_windows(model, texts: Iterable[str], tokenizer, recipe: Recipe = Reci
                     x[row, : len(ids[i])] = torch.tensor(ids[i])
                     mask[row, : len(ids[i])] = 1
                 with torch.inference_mode():
-                    hidden = model(x.to(device), attention_mask=mask.to(device)).last_hidden_state
+                    hidden = model(x.to(device), attention_mask=mask.to(device), output_hidden_states=False,
+                                   output_attentions=False, return_dict=True).last_hidden_state
                     pooled = _pool(hidden, mask.to(device), recipe, skipped)
                 for row, i in enumerate(batch):
                     results[i] = pooled[row].cpu()

@@ -197,6 +197,20 @@ def test_bad_arguments_are_named(minilm):
         fastbert.encode(empty, ["a"], tokenizer)
 
 
+def test_a_model_whose_config_asks_for_other_outputs(tmp_path, tiny_bert_dir):
+    """config.json's return_dict=False / output_attentions=True are a forward's defaults: encode asks for what
+    it reads (it got a tuple and failed, or computed every attention probability)."""
+    import shutil
+
+    shutil.copytree(tiny_bert_dir, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "return_dict": False, "output_attentions": True}))
+    with fastbert.dispatch.record() as calls:
+        got = fastbert.encode(str(tmp_path / "m"), SENTENCES[:5])
+    assert "reference" not in {backend for _, backend in calls}
+    assert torch.equal(got, fastbert.encode(tiny_bert_dir, SENTENCES[:5]))
+
+
 def test_a_transformers_model_and_a_small_corpus_with_tuning_on(monkeypatch, tmp_path, tiny_bert_dir):
     """With measuring on: a transformers BertModel is encoded (the forward-width trial ran fastbert's layer
     signature on it and failed), and a corpus within the narrowest forward measures no width."""

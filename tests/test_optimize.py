@@ -234,6 +234,22 @@ def test_inputs_read_as_transformers_reads_them(kind):
     assert_matches(a.pooler_output, b.pooler_output, name="pooler_output")
 
 
+def test_output_settings_of_the_config_are_transformers_defaults_after_optimize():
+    """A config saying return_dict=False (and asking for every hidden state) gives transformers' tuple, on
+    fastbert's kernels (fastbert's encoder read the same settings and gave a tuple where an object was read)."""
+    hf = transformers.BertForSequenceClassification(transformers.BertConfig(**SMALL, num_labels=3)).eval()
+    hf.config.return_dict, hf.config.output_hidden_states = False, True
+    plain = copy.deepcopy(hf)
+    fastbert.optimize(hf)
+    ids, mask, types = padded_batch(120, [9, 4, 1])
+    with fastbert.dispatch.record() as calls:
+        a = hf(input_ids=ids, attention_mask=mask, token_type_ids=types)
+    b = plain(input_ids=ids, attention_mask=mask, token_type_ids=types)
+    assert ran_fastbert(calls) and isinstance(a, tuple) and len(a) == len(b) == 2
+    assert_matches(a[0], b[0], name="logits")
+    assert len(a[1]) == len(b[1]) == SMALL["num_hidden_layers"] + 1
+
+
 def test_attn_implementation_fastbert_matches_sdpa():
     name = fastbert.register_attention()
     cfg = transformers.BertConfig(**SMALL)
@@ -247,15 +263,23 @@ def test_attn_implementation_fastbert_matches_sdpa():
     assert [op for op, _ in calls] == ["attention"] * SMALL["num_hidden_layers"]
     real = mask.bool()
     assert_matches(a[real], b[real], name="last_hidden_state")
-    # Asked for, the attention probabilities come back as eager's (they were an empty tuple).
+    # Asked for, in the call or in the config, the attention probabilities come back as eager's (they were an
+    # empty tuple).
     eager = transformers.BertModel._from_config(copy.deepcopy(cfg), attn_implementation="eager").eval()
     eager.load_state_dict(sdpa.state_dict())
-    a = ours(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
-    b = eager(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
-    assert len(a) == len(b) == SMALL["num_hidden_layers"]
-    for x, y in zip(a, b):
-        keys = real[:, None, None, :].expand_as(y)  # (eager gives pad keys ~1e-38, fastbert 0: both nothing)
-        assert_matches(x[keys], y[keys], name="attentions")
+    for asked in ("call", "config"):
+        if asked == "config":  # (transformers takes it only from the config's constructor for these)
+            config = transformers.BertConfig(**SMALL, output_attentions=True)
+            ours = transformers.BertModel._from_config(copy.deepcopy(config), attn_implementation=name).eval()
+            eager = transformers.BertModel._from_config(copy.deepcopy(config), attn_implementation="eager").eval()
+            eager.load_state_dict(ours.state_dict())
+        options = dict(output_attentions=True) if asked == "call" else {}
+        a = ours(input_ids=ids, attention_mask=mask, **options).attentions
+        b = eager(input_ids=ids, attention_mask=mask, **options).attentions
+        assert len(a) == len(b) == SMALL["num_hidden_layers"], asked
+        for x, y in zip(a, b):
+            keys = real[:, None, None, :].expand_as(y)  # (eager gives pad keys ~1e-38, fastbert 0: both nothing)
+            assert_matches(x[keys], y[keys], name="attentions")
 
 
 @pytest.fixture(scope="module")

@@ -134,7 +134,9 @@ def step_counts(batch: dict[str, torch.Tensor]) -> dict[str, int]:
 
 
 def _model_inputs(batch):
-    return {k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in batch}
+    """The model's arguments: the batch's tensors, and the outputs the loss reads whatever config.json says."""
+    return {**{k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in batch},
+            "output_hidden_states": False, "output_attentions": False, "return_dict": True}
 
 
 def pretraining_loss(model, batch, counts) -> torch.Tensor:

@@ -325,7 +325,7 @@ class OptimizedForward:
                                         for t in (token_type_ids, position_ids))
         out = ours(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
                    output_hidden_states=raw_setting("output_hidden_states", False),
-                   output_attentions=setting("output_attentions", False), allow_unpadding=not padded)
+                   output_attentions=setting("output_attentions", False), return_dict=True, allow_unpadding=not padded)
         result = BaseModelOutputWithPoolingAndCrossAttentions(
             last_hidden_state=out.last_hidden_state, pooler_output=out.pooler_output,
             hidden_states=out.hidden_states,
@@ -427,7 +427,8 @@ def register_attention(name: str = "fastbert") -> str:
                 raise ValueError("fastbert attention takes padding masks only (every query sees the same keys); "
                                  "this mask differs between queries: use attn_implementation='sdpa'")
             attention_mask = keys
-        if kwargs.get("output_attentions"):  # the probabilities too, as eager returns them
+        asked = kwargs.get("output_attentions")  # the call's, else config.json's (transformers passes only the call's)
+        if asked or asked is None and getattr(module.config, "output_attentions", False):  # as eager returns them
             out, weights = ops.attention(query, key, value, attention_mask, dropout_p=dropout, scale=scaling,
                                          need_weights=True)
             return out.transpose(1, 2), weights
