@@ -149,7 +149,7 @@ def from_pretrained(cls, directory, dtype: torch.dtype | str | None = None, *, c
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"{directory} is not a directory (fastbert loads local HF directories)")
     if torch_dtype is not None:
-        if dtype is not None and dtype != torch_dtype:
+        if dtype is not None and str(dtype).removeprefix("torch.") != str(torch_dtype).removeprefix("torch."):
             raise ValueError(f"dtype={dtype!r} and torch_dtype={torch_dtype!r} disagree (torch_dtype is dtype's older name)")
         dtype = torch_dtype
     takes = set(inspect.signature(cls.__init__).parameters) - {"self", "config"}

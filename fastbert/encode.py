@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import itertools
 import json
+import operator
 import os
 from typing import Iterable, Iterator
 
@@ -27,6 +28,7 @@ class Recipe:
     include_prompt: bool = True  # False: the prompt's tokens (and [CLS]) are left out of the pooling
     lowercase: bool = False  # sentence_bert_config.json's do_lower_case
     truncate_dim: int | None = None  # the first this many numbers of an embedding kept (after Normalize)
+    unit: bool = False  # normalize=True asked: unit vectors after truncate_dim's cut (normalize_embeddings=True)
 
     def __post_init__(self):
         if self.pooling not in POOLINGS:
@@ -92,7 +94,7 @@ def recipe_of(directory=None, pooling: str | None = None, normalize: bool | None
     if normalize and pooling == "none":
         raise ValueError("pooling='none' gives each text's token states, which are not normalized: leave normalize unset")
     given = {k: v for k, v in (("pooling", pooling), ("normalize", normalize)) if v is not None}
-    return Recipe(**{**found, **given})
+    return Recipe(**{**found, **given}, unit=bool(normalize))
 
 
 class TextTooLong(ValueError):
@@ -288,7 +290,22 @@ def _pool(hidden, mask, recipe: Recipe, skipped: int):
         pooled = (hidden * m).sum(1) / (count if mode == "mean" else count.sqrt())
     if recipe.normalize:
         pooled = torch.nn.functional.normalize(pooled, dim=-1)
-    return pooled[:, : recipe.truncate_dim]  # as sentence-transformers cuts: after Normalize, not normalized again
+    if recipe.truncate_dim is None:
+        return pooled
+    pooled = pooled[:, : recipe.truncate_dim]  # as sentence-transformers cuts: after its Normalize module
+    return torch.nn.functional.normalize(pooled, dim=-1) if recipe.unit else pooled
+
+
+def _int(name: str, value) -> int | None:
+    """An integer argument (numpy's too) as a Python int; None stays None."""
+    if value is None:
+        return None
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {value!r}") from None
 
 
 def _check_encoder(model) -> None:
@@ -311,9 +328,8 @@ def encode_windows(model, texts: Iterable[str], tokenizer, recipe: Recipe = Reci
                    on_batch=None) -> Iterator[tuple[int, object]]:
     """(index of the window's first text, its embeddings in input order) per window of `window` texts;
     `on_batch(texts, tokens)` after each batch (progress)."""
-    for name, value in (("batch_tokens", batch_tokens), ("window", window), ("max_length", max_length)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise TypeError(f"{name} must be an int, got {value!r}")
+    batch_tokens, window, max_length = (_int(name, value) for name, value in (
+        ("batch_tokens", batch_tokens), ("window", window), ("max_length", max_length)))
     if batch_tokens < 1 or window < 1:
         raise ValueError(f"batch_tokens and window must be positive, got {batch_tokens} and {window}")
     if max_length is not None and max_length < 2:
@@ -386,11 +402,12 @@ def encode(model, texts: Iterable[str], tokenizer=None, pooling: str | None = No
            batch_tokens: int = 16384, max_length: int | None = None, truncate: bool = True, window: int = 4096):
     """Embeddings of `texts` (any iterable of str, read window by window) in input order: float32 [N, H]
     pooled (POOLINGS: sentence-transformers' modes), L2-normalized or not; for pooling "none" each text's
-    token states [tokens, H]. `model`: a fastbert BertModel (with `tokenizer`), or an HF BERT directory (model
-    and tokenizer loaded from it): a sentence-transformers one is run as sentence-transformers runs it (its
-    pooling, Normalize, max_seq_length, do_lower_case and default prompt; encode.recipe_of). Otherwise,
-    and by default, mean pooling, normalized. Texts over max_length are truncated (truncate=False: an error
-    naming the text)."""
+    token states [tokens, H]. `model`: a fastbert or transformers BertModel (with `tokenizer`), or an HF BERT
+    directory (model and tokenizer loaded from it, as saved: fp32 or int8): a sentence-transformers one is
+    run as sentence-transformers runs it (its pooling, Normalize, max_seq_length, do_lower_case, default
+    prompt and truncate_dim: [N, truncate_dim], normalized before the cut as its Normalize module does unless
+    normalize=True asks for unit vectors; encode.recipe_of). Otherwise, and by default, mean pooling,
+    normalized. Texts over max_length are truncated (truncate=False: an error naming the text)."""
     directory = None
     if isinstance(model, (str, os.PathLike)):
         directory = model

@@ -179,6 +179,7 @@ def test_bad_arguments_are_named(minilm):
     for name, value in (("batch_tokens", "100"), ("batch_tokens", 100.5), ("max_length", 5.5), ("window", True)):
         with pytest.raises(TypeError, match=f"{name} must be an int, got {re.escape(repr(value))}"):
             fastbert.encode(model, ["a"], tokenizer, **{name: value})
+    assert fastbert.encode(model, ["a"], tokenizer, batch_tokens=np.int64(64), max_length=np.int32(8)).shape == (1, 384)
     with pytest.raises(TypeError, match="truncate must be True or False, got 'no'"):
         fastbert.encode(model, ["a"], tokenizer, truncate="no")
     with pytest.raises(TypeError, match="normalize must be True, False or None"):
@@ -306,6 +307,10 @@ def test_a_sentence_transformers_directory_is_run_as_sentence_transformers_runs_
     ours = fastbert.encode(str(tmp_path / "st"), texts)
     assert ours.shape == want.shape
     assert_matches(ours, want, name="embeddings")
+    if options.get("truncate_dim"):  # normalize=True: unit vectors, as sentence-transformers' normalize_embeddings=True
+        unit = fastbert.encode(str(tmp_path / "st"), texts, normalize=True)
+        assert_matches(unit, theirs.encode(texts, convert_to_tensor=True, normalize_embeddings=True), name="unit")
+        assert torch.allclose(unit.norm(dim=1), torch.ones(len(texts)))
     if options.get("truncate_dim"):  # the command writes what the function gives
         from fastbert.apps.encode import run
 

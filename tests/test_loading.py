@@ -227,6 +227,8 @@ def test_dtype_argument(tmp_path):
     assert {p.dtype for p in fastbert.BertModel.from_pretrained(tmp_path / "bf16", dtype="auto").parameters()} == {torch.bfloat16}
     with pytest.raises(ValueError, match="dtype must be a floating torch.dtype, its name \\('bfloat16'\\) or 'auto', got 'int8'"):
         fastbert.BertModel.from_pretrained(tmp_path, dtype="int8")
+    assert fastbert.BertModel.from_pretrained(tmp_path, dtype=torch.bfloat16, torch_dtype="bfloat16").pooler.dense.weight.dtype \
+        == torch.bfloat16  # the same dtype, named two ways
     with pytest.raises(ValueError, match="disagree"):
         fastbert.BertModel.from_pretrained(tmp_path, dtype=torch.float16, torch_dtype=torch.bfloat16)
 

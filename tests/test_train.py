@@ -572,6 +572,12 @@ def test_bad_arguments_fail_clearly(tmp_path, corpus, capsys):
         refused(capsys, f"{flag} must be 0 or more, got -1", *pretrain_args(corpus, tmp_path / "d", flag, -1))
     # Bytes that are not UTF-8 are named by line and column (the corpus's offset was counted from a chunk's start).
     (tmp_path / "latin1.txt").write_bytes(b"fine\n" * 30000 + b"caf\xe9 au lait\n\nanother one\n")
+    # A config or tokenizer that cannot be read is named too (a traceback before).
+    (tmp_path / "odd.json").write_text('{"hidden_size": 65, "num_attention_heads": 2}')
+    refused(capsys, "odd.json: BertConfig.hidden_size \\(65\\) must be divisible", *pretrain_args(
+        corpus, tmp_path / "f", "--config", tmp_path / "odd.json"))
+    refused(capsys, "the tokenizer .*nowhere is not a directory", *pretrain_args(
+        (corpus[0], tmp_path / "nowhere"), tmp_path / "g"))
     refused(capsys, "latin1.txt line 30001: not UTF-8 \\(byte 0xe9 at column 4\\)",
             *pretrain_args((str(tmp_path / "latin1.txt"), corpus[1]), tmp_path / "e"))
 

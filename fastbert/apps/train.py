@@ -391,7 +391,22 @@ def load_tokenizer(directory: str | None):
     from fastbert.apps.demo import minilm_dir
 
     # Local directories only, without touching the process's environment.
-    return transformers.AutoTokenizer.from_pretrained(directory or minilm_dir(), local_files_only=True)
+    directory = directory or minilm_dir()
+    if not os.path.isdir(directory):
+        raise InputError(f"the tokenizer {directory} is not a directory (a transformers tokenizer's files)")
+    return files_as_input(lambda: transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True),
+                          f"the tokenizer {directory}")
+
+
+def files_as_input(load, where: str | None = None):
+    """load()'s result; a file it cannot read (missing, damaged, invalid settings) is an input problem:
+    InputError (naming `where`), which the commands print as one line."""
+    try:
+        return load()
+    except (ValueError, OSError) as e:  # json's and config validation's ValueError; transformers' OSError
+        if isinstance(e, InputError):
+            raise
+        raise InputError(f"{where}: {e}" if where else str(e)) from None
 
 
 def tokenizer_source(resume: str | None, tokenizer: str | None, model_dir: str | None) -> str | None:
@@ -419,7 +434,7 @@ def pretraining_config(name_or_path: str, vocab_size: int) -> BertConfig:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--config {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json")
     with open(path, encoding="utf-8") as f:
-        config = BertConfig.from_dict(json.load(f))
+        config = files_as_input(lambda: BertConfig.from_dict(json.load(f)), path)
     if config.vocab_size < vocab_size:
         raise InputError(f"{path}: vocab_size {config.vocab_size} is smaller than the tokenizer's {vocab_size} tokens")
     return config
@@ -459,7 +474,7 @@ def pretrain(corpus: str, args: TrainArgs, tokenizer: str | None = None, config:
     tok = load_tokenizer(tokenizer_source(args.resume, tokenizer, model))
     torch.manual_seed(args.seed)  # the initial weights (of missing heads, for a checkpoint)
     if args.resume or model:
-        model = BertForPreTraining.from_pretrained(args.resume or model)
+        model = files_as_input(lambda: BertForPreTraining.from_pretrained(args.resume or model))
     else:
         model = BertForPreTraining(pretraining_config(config, len(tok)))
     check_vocab(model, tok)
@@ -544,7 +559,7 @@ def classifier_for(model_dir: str, labels: list[str], resuming: bool = False):
 
     from fastbert.heads import BertForSequenceClassification
 
-    model = BertForSequenceClassification.from_pretrained(model_dir)
+    model = files_as_input(lambda: BertForSequenceClassification.from_pretrained(model_dir))
     cfg = model.config
     names = label_names(labels, cfg)
     if len(names) < 2:

@@ -59,7 +59,7 @@ def linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a
     # oneDNN reads the bias as a dense vector whatever its strides (a strided bias gave wrong sums), and
     # refuses a weight whose rows or columns overlap in memory (an expanded or as_strided view).
     bias = None if bias is None else bias.contiguous()
-    if _overlapping(weight):
+    if not weight.is_mkldnn and not weight.is_contiguous() and _overlapping(weight):  # (packed: opaque strides)
         weight = weight.contiguous()
     if not per_thread:
         return torch.ops.mkldnn._linear_pointwise(x2d, weight, bias, attr, scalars, algorithm)

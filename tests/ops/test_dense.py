@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from fastbert import dispatch, ops
-from fastbert.ops import reference
+from fastbert.ops import _onednn, reference
 from fastbert.ops.dense import EPILOGUES, own_gemm
 from fastbert.ops.prepared import PreparedWeights
 from fastbert.testing import assert_close, assert_ran, poison_outputs, upcast
@@ -292,3 +292,4 @@ def test_weight_views_of_any_layout(layout):
             out = ops.dense(x, weight, bias, activation=activation)
         assert_ran(calls, "dense", "cpu")
         assert_close(out, reference.dense(*upcast(x, weight, bias), activation), torch.float32, "matmul")
+    assert _onednn._overlapping(weight) == (layout in ("rows overlap", "expanded"))  # the others are read as they are
