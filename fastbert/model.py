@@ -439,8 +439,10 @@ class BertModel(BertPreTrainedModel):
                 continue
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            allowed = {(b, s)} | ({(1, s)} if name != "attention_mask" else set())  # ids shared by the batch too
-            if tuple(t.shape) not in allowed:
+            # ids shared by the batch too; sizes compared one by one (symbolic under torch.compile: a set of
+            # shapes pinned B and S, one graph per shape)
+            rows_ok = t.shape[0] == b or (name != "attention_mask" and t.shape[0] == 1)
+            if t.dim() != 2 or not rows_ok or t.shape[1] != s:
                 raise ValueError(f"{name} must have the shape of input_ids {(b, s)}"
                                  f"{'' if name == 'attention_mask' else f' or {(1, s)}'}, got {tuple(t.shape)}")
             if t.device != input_ids.device:

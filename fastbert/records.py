@@ -66,7 +66,7 @@ def is_muted() -> bool:
 
 def note(op: str, backend: str, skipped: dict[str, list[str]] | None = None, variant: str | None = None) -> None:
     """Record that `backend` (its `variant`) ran `op` (backward passes note `op + '.backward'`)."""
-    if not _active_records or torch.compiler.is_compiling() or is_muted():
+    if torch.compiler.is_compiling() or not _active_records or is_muted():  # (compiling first: no guard on the list)
         return
     call = Call(op, backend, skipped, variant)
     with _records_lock:

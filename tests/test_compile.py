@@ -79,3 +79,43 @@ def test_compile_training_equals_eager_forward_and_backward(backend, layers):
                          name=f"{layers} layers, padded={padded}: last_hidden_state")
             assert_close(out.pooler_output, eager_out.pooler_output, torch.float32, "elementwise", name="pooler_output")
             assert_same_gradients(grads, eager_grads)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_one_graph_serves_every_batch_size_and_length(training):
+    """dynamic=True: one graph for every batch size and sequence length, eager forwards in between. Shapes
+    checked as members of a set, the attention op's `int max_seqlen` and the plans' thread state each made
+    graphs per shape (fullgraph=True failed at the ninth length; without it the model ran eager for good)."""
+    skip_unless_runnable("attention", "cpu", torch.float32)
+    model = small_model(2).train(training)
+    compiled = torch.compile(model, fullgraph=True, dynamic=True)
+    with torch._dynamo.config.patch(recompile_limit=1), torch.set_grad_enabled(training):  # a recompile raises
+        for lengths in ([5, 3], [9, 9, 4], [12, 7, 2, 12], [16, 1]):
+            ids, mask, types = padded_batch(VOCAB, lengths)
+            real = mask.bool()
+            eager = model(ids, attention_mask=mask, token_type_ids=types)
+            out = compiled(ids, attention_mask=mask, token_type_ids=types)
+            assert_close(out.last_hidden_state[real], eager.last_hidden_state[real], torch.float32, "elementwise",
+                         name=f"lengths {lengths}: last_hidden_state")
+            if training:
+                out.pooler_output.sum().backward()
+
+
+def test_export_with_dynamic_batch_and_length():
+    """torch.export with dynamic dims (what ONNX's dynamo export builds on): the shape checks took the sizes
+    as a set's members (unhashable symbols) and pinned them."""
+    skip_unless_runnable("attention", "cpu", torch.float32)
+    from torch.export import Dim
+
+    model = small_model(2).eval()
+    ids, mask, _ = padded_batch(VOCAB, [7, 3, 5])
+    dims = {0: Dim("batch", min=2, max=64), 1: Dim("length", min=2, max=16)}
+    with torch.no_grad():
+        exported = torch.export.export(model, (), dict(input_ids=ids, attention_mask=mask),
+                                       dynamic_shapes=dict(input_ids=dims, attention_mask=dims)).module()
+        for lengths in ([9, 4], [16, 2, 11, 16]):
+            ids, mask, _ = padded_batch(VOCAB, lengths)
+            real = mask.bool()
+            assert_close(exported(input_ids=ids, attention_mask=mask).last_hidden_state[real],
+                         model(ids, attention_mask=mask).last_hidden_state[real], torch.float32, "elementwise",
+                         name=f"lengths {lengths}")

@@ -112,10 +112,10 @@ def _lse_shape(q: torch.Tensor) -> tuple[int, ...]:
 # mask, nothing else is saved. Outputs: out (q's shape) and the logsumexp lse, float32 [B, heads, S] | [heads, T].
 SPEC = OpSpec(
     "attention",
-    forward_schema="(Tensor q, Tensor k, Tensor v, Tensor? key_mask, Tensor? cu_seqlens, int max_seqlen, "
+    forward_schema="(Tensor q, Tensor k, Tensor v, Tensor? key_mask, Tensor? cu_seqlens, SymInt max_seqlen, "
                    "float scale, float dropout_p, Tensor? seed) -> (Tensor, Tensor)",
     backward_schema="(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? key_mask, "
-                    "Tensor? cu_seqlens, int max_seqlen, float scale, float dropout_p, Tensor? seed) "
+                    "Tensor? cu_seqlens, SymInt max_seqlen, float scale, float dropout_p, Tensor? seed) "
                     "-> (Tensor, Tensor, Tensor)",
     forward_fake=lambda q, *rest: (_empty_output(q, torch.empty), q.new_empty(_lse_shape(q), dtype=torch.float32)),
     backward_fake=lambda grad, q, *rest: tuple(_empty_output(q, torch.empty) for _ in range(3)),
