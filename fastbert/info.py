@@ -84,11 +84,15 @@ def settings_report() -> list[str]:
             check()
         except ValueError as e:
             problems.append(str(e))
+    ignored = [f"{name} names no op ({', '.join(prefix + op.upper() for op in dispatch.OPS)})"
+               for name in names for prefix in ("FASTBERT_BACKEND_", "FASTBERT_VARIANT_")
+               if name.startswith(prefix) and name[len(prefix):].lower() not in dispatch.OPS]  # _GELU: bias_gelu's?
     for op in dispatch.OPS:
         forced, known = dispatch.forced_variant(op), dispatch.variant_names(op)
         if forced is not None and forced[0] not in known:
             problems.append(f"{forced[1]}: {op} has no variant {forced[0]!r} ({', '.join(known) or 'none'})")
-    return lines + [f"  calls raise: {p}" for p in dict.fromkeys(problems)]
+    return (lines + [f"  calls raise: {p}" for p in dict.fromkeys(problems)]
+            + [f"  ignored (no call reads it): {p}" for p in ignored])
 
 
 def variants_report() -> list[str]:

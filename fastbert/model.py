@@ -418,6 +418,9 @@ class BertModel(BertPreTrainedModel):
 
     def check_inputs(self, input_ids, attention_mask, token_type_ids, position_ids) -> None:
         """Clear errors before any compute. Value checks (ids in range) run eagerly, not under compile."""
+        if torch.jit.is_tracing():
+            raise RuntimeError("torch.jit.trace (and torch.onnx.export with dynamo=False, which traces with it) "
+                               "cannot record fastbert's kernels: use torch.compile or torch.export")
         if not isinstance(input_ids, torch.Tensor):
             raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
         if input_ids.dim() != 2:

@@ -119,3 +119,10 @@ def test_export_with_dynamic_batch_and_length():
             assert_close(exported(input_ids=ids, attention_mask=mask).last_hidden_state[real],
                          model(ids, attention_mask=mask).last_hidden_state[real], torch.float32, "elementwise",
                          name=f"lengths {lengths}")
+
+
+def test_jit_trace_is_refused_by_name():
+    """It failed on a shape check that printed two equal shapes, then on a kernel probe's bool output."""
+    model = small_model(1).eval()
+    with pytest.raises(RuntimeError, match="torch.jit.trace .* use torch.compile or torch.export"):
+        torch.jit.trace(model, (torch.randint(0, VOCAB, (2, 6)),), strict=False)
