@@ -54,6 +54,19 @@ def test_bench_int8_rows_check_accuracy_before_timing(tmp_path):
     assert 0 < row["errors"]["fastbert"] < min(row["errors"]["openvino"], row["errors"]["onnxruntime"])
 
 
+def test_bench_bf16_rows_time_fastbert_and_openvino(tmp_path):
+    """A bf16 row's engines hand back bf16 or float32 (OpenVINO): both are held to bf16's tolerance, and were
+    dropped as 'out is torch.float32, not the torch.bfloat16 it is held to' before any timing."""
+    pytest.importorskip("openvino")
+    out = subprocess.run(
+        [sys.executable, "-m", "fastbert", "bench", "--models", "minilm", "--dtypes", "bf16", "--shapes", "1x16",
+         "--competitors", "fastbert,hf-sdpa,openvino", "--rounds", "1", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    row = json.loads((tmp_path / "bench.json").read_text())["rows"][0]
+    assert row["dtype"] == "bf16" and set(row["ms"]) == {"fastbert", "hf-sdpa", "openvino"}, row["skipped"]
+
+
 def test_rounds_and_repeats_below_one_are_usage_errors(capsys):
     from fastbert.__main__ import main
 
