@@ -32,6 +32,8 @@ def main(argv=None) -> int:
         def parse(text):
             chosen = [t.strip() for t in text.split(",") if t.strip()]
             bad = [t for t in chosen if t not in known]
+            if not chosen:
+                raise argparse.ArgumentTypeError(f"names none (known: {', '.join(known)})")
             if bad:
                 raise argparse.ArgumentTypeError(f"unknown {', '.join(bad)} (known: {', '.join(known)})")
             return chosen
@@ -101,6 +103,13 @@ def main(argv=None) -> int:
     encode.add_argument("--restart", action="store_true", help="discard an interrupted run's shards")
     encode.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
+    if args.command == "bench" and args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: this machine has no CUDA GPU torch can use (torch.cuda.is_available() is False)")
+    if args.command == "demo" and args.model is not None and not os.path.isdir(args.model):
+        parser.error(f"--model {args.model}: not a directory (an HF BERT directory)")
     if args.command == "info":
         from fastbert.info import report
 

@@ -74,6 +74,15 @@ def test_rounds_and_repeats_below_one_are_usage_errors(capsys):
         with pytest.raises(SystemExit):
             main(argv)
         assert "must be at least 1" in capsys.readouterr().err
+    # An empty list timed nothing and wrote an empty table; the others printed tracebacks.
+    cases = [(["bench", "--shapes", ","], "argument --shapes: names none"),
+             (["demo", "--model", "/nonexistent"], "--model /nonexistent: not a directory")]
+    if not torch.cuda.is_available():
+        cases.append((["bench", "--device", "cuda"], "--device cuda: this machine has no CUDA GPU"))
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as stop:
+            main(argv)
+        assert stop.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_the_gemm_rate_of_float16_on_a_cpu_without_onednns_float16():
