@@ -86,7 +86,7 @@ def settings_report() -> list[str]:
             problems.append(str(e))
     ignored = [f"{name} names no op ({', '.join(prefix + op.upper() for op in dispatch.OPS)})"
                for name in names for prefix in ("FASTBERT_BACKEND_", "FASTBERT_VARIANT_")
-               if name.startswith(prefix) and name[len(prefix):].lower() not in dispatch.OPS]  # _GELU: bias_gelu's?
+               if name.startswith(prefix) and name[len(prefix):].lower() not in dispatch.OPS]  # (_GELU: the op is bias_gelu)
     for op in dispatch.OPS:
         forced, known = dispatch.forced_variant(op), dispatch.variant_names(op)
         if forced is not None and forced[0] not in known:
