@@ -38,3 +38,21 @@ def test_demo_runs(capsys):
     run(repeats=2)
     out = capsys.readouterr().out
     assert "parity: cosine(fastbert, transformers)" in out and "speedup" in out
+
+
+def test_demo_times_nothing_it_has_not_proven(monkeypatch):
+    """A disagreement with transformers stops the demo before any timing (it printed the cosine, then speedups)."""
+    from fastbert.apps import demo
+
+    monkeypatch.setattr(demo, "alternating_medians", lambda *a, **k: pytest.fail("timed unproven numbers"))
+    real = demo.mean_pool
+    calls = []
+
+    def off_first(hidden, mask):  # fastbert's embeddings (the first pooled) nudged off transformers'
+        calls.append(1)
+        pooled = real(hidden, mask)
+        return torch.nn.functional.normalize(pooled + 0.01 * (len(calls) == 1), dim=-1)
+
+    monkeypatch.setattr(demo, "mean_pool", off_first)
+    with pytest.raises(RuntimeError, match="fastbert and transformers disagree: cosine"):
+        demo.run(repeats=1)

@@ -7,6 +7,9 @@ import os
 import torch
 
 from fastbert.apps.timing import alternating_medians
+from fastbert.testing import INT8
+
+PARITY = 0.99999  # the smallest cosine(fastbert, transformers) of a sentence the demo times (README)
 
 SENTENCES = [
     "The cat sits on the mat.",
@@ -53,6 +56,8 @@ def run(model_dir: str | None = None, repeats: int = 10) -> None:
     with torch.inference_mode():
         theirs_emb = mean_pool(theirs(input_ids=ids, attention_mask=mask).last_hidden_state, mask)
         cos = (ours_emb * theirs_emb).sum(-1)
+        if not float(cos.min()) >= PARITY:  # proven before anything is timed (NaN fails too)
+            raise RuntimeError(f"fastbert and transformers disagree: cosine {float(cos.min()):.7f} < {PARITY}")
         ms = alternating_medians({"fastbert": lambda: ours(ids, attention_mask=mask),
                                   "transformers": lambda: theirs(input_ids=ids, attention_mask=mask)}, repeats)
     backends = sorted({f"{op}={backend}" for op, backend in calls})
@@ -71,6 +76,8 @@ def run(model_dir: str | None = None, repeats: int = 10) -> None:
     int8 = fastbert.quantize(copy.deepcopy(ours))
     with torch.inference_mode():
         int8_emb = mean_pool(int8(ids, attention_mask=mask).last_hidden_state, mask)
+        if not float((int8_emb * theirs_emb).sum(-1).min()) >= INT8.sentence_cosine:
+            raise RuntimeError(f"int8 embeddings are off: cosine below {INT8.sentence_cosine} (fastbert.testing.INT8)")
         ms8 = alternating_medians({"fp32": lambda: ours(ids, attention_mask=mask),
                                    "int8": lambda: int8(ids, attention_mask=mask)}, repeats)
     cos8 = (int8_emb * theirs_emb).sum(-1)
