@@ -219,6 +219,13 @@ def not_supported_reasons(op: str, backend: str, inputs: dict | Facts, forced: b
 # backend it had not forced).
 
 _local = threading.local()
+
+
+def _thread_plan():
+    """This thread's running plan, if any. Never read while compiling: no plan runs in compiled code, and a
+    read made torch.compile guard on the thread's state (the first call's exit set it: every model compiled
+    twice)."""
+    return None if torch.compiler.is_compiling() else getattr(_local, "plan", None)
 _backend_blocks: contextvars.ContextVar[tuple[tuple[str, str | None], ...]] = contextvars.ContextVar(
     "fastbert_use_backend", default=())
 _variant_blocks: contextvars.ContextVar[tuple[tuple[str, str], ...]] = contextvars.ContextVar(
@@ -374,7 +381,7 @@ def prefers_varlen(x: torch.Tensor, head_dim: int, dropout_p: float) -> bool:
 
 def call(op: str, inputs: dict, *args, **kwargs):
     """Select a backend for `op` (and of its variants, where it has several), run it, and record the choice."""
-    plan = None if torch.compiler.is_compiling() else getattr(_local, "plan", None)
+    plan = _thread_plan()
     if plan is not None and plan.replaying:
         planned = plan.take(op)  # the op's trusted() matched this call to the plan's
         if planned is not None:
@@ -444,9 +451,7 @@ class Plans:
         """Context for the forward under `key`: replays its plan, or records one; with key None neither
         (and an outer model's plan does not reach the ops inside)."""
         if key is None:
-            # Compiling, no plan runs and the thread's is not touched (torch.compile guarded on it: the first
-            # call's exit set it, and every model compiled twice).
-            return contextlib.nullcontext() if torch.compiler.is_compiling() else _Unplanned()
+            return contextlib.nullcontext() if torch.compiler.is_compiling() else _Unplanned()  # (_thread_plan)
         state = _state()
         with self._lock:
             if state != self._state:
@@ -604,7 +609,7 @@ class block:
         self.module, self.build, self.running = module, build, None
 
     def __enter__(self):
-        running = self.running = None if torch.compiler.is_compiling() else getattr(_local, "plan", None)
+        running = self.running = _thread_plan()
         if running is None:
             return None
         if running.recording:
@@ -645,9 +650,7 @@ def trusted(op: str, x: torch.Tensor, *flags) -> bool:
     """Whether this call of public op `op` may skip its checks: a plan is replaying and its next call is
     `op` with a first tensor `x` of this shape and dtype and these `flags` (the non-tensor arguments that
     steer the op's checks and choices)."""
-    if torch.compiler.is_compiling():
-        return False
-    plan = getattr(_local, "plan", None)
+    plan = _thread_plan()
     return plan is not None and plan.trusted((op, x.shape, x.dtype, *flags))
 
 
