@@ -78,6 +78,8 @@ class BertModelOutput(ModelOutput):
     pooler_output: torch.Tensor | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
     attentions: tuple[torch.Tensor, ...] | None = None
+    # An encoder has none; empty when attentions are asked for, as transformers' (out[4] of its tuple).
+    cross_attentions: tuple[torch.Tensor, ...] | None = None
 
 
 class BertEmbeddings(nn.Module):
@@ -505,5 +507,6 @@ class BertModel(BertPreTrainedModel):
             pooler_output=pooled,
             hidden_states=selected_states(tuple(hidden_states), selection) if hidden_states is not None else None,
             attentions=tuple(attentions) if attentions is not None else None,
+            cross_attentions=() if output_attentions else None,
         )
         return out if return_dict else out.to_tuple()

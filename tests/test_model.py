@@ -97,7 +97,9 @@ def test_hidden_states_and_attentions_match_transformers():
         for backend, reasons in c.skipped.items():
             if fastbert.dispatch.implementations("attention").get(backend) and not fastbert.dispatch.machine_reasons(backend):
                 assert any("probabilities" in r for r in reasons)
-    assert len(a) == 4 and a[2] is a.hidden_states and a[3] is a.attentions
+    # The mapping and the tuple keep transformers' fields and positions (an empty cross_attentions last).
+    assert list(a.keys()) == list(b.keys()) and a[2] is a.hidden_states and a[3] is a.attentions
+    assert [type(x) for x in a.to_tuple()] == [type(y) for y in b.to_tuple()] and a[4] == b[4] == ()
 
 
 @pytest.mark.parametrize("selection", [-1, [0, 2, 9], 1, [-4]])
@@ -128,10 +130,11 @@ def test_output_settings_of_config_json_are_the_defaults_as_in_transformers(mode
     ids, mask, _ = padded_batch(99, [7, 3])
     a, b = ours(ids, attention_mask=mask), theirs(input_ids=ids, attention_mask=mask)
     assert isinstance(a, tuple) and isinstance(b, tuple)
-    a_states, b_states = a[-2], b[-2] if model_class != "BertModel" else b[2]
-    assert len(a_states) == len(b_states) == 2
-    assert_matches(a_states[1][mask.bool()], b_states[1][mask.bool()], name="hidden_states[1]")
-    assert_matches(a[-1][0], (b[-1] if model_class != "BertModel" else b[3])[0], name="attentions[0]")
+    assert len(a) == len(b)  # BertModel's tuple ends in transformers' empty cross_attentions
+    states, probabilities = (2, 3) if model_class == "BertModel" else (-2, -1)
+    assert len(a[states]) == len(b[states]) == 2
+    assert_matches(a[states][1][mask.bool()], b[states][1][mask.bool()], name="hidden_states[1]")
+    assert_matches(a[probabilities][0], b[probabilities][0], name="attentions[0]")
     # The call's own settings win.
     out = ours(ids, attention_mask=mask, output_hidden_states=False, output_attentions=False, return_dict=True)
     assert out.hidden_states is None and out.attentions is None
