@@ -28,7 +28,7 @@ class Recipe:
     include_prompt: bool = True  # False: the prompt's tokens (and [CLS]) are left out of the pooling
     lowercase: bool = False  # sentence_bert_config.json's do_lower_case
     truncate_dim: int | None = None  # the first this many numbers of an embedding kept (after Normalize)
-    unit: bool = False  # normalize=True asked: unit vectors after truncate_dim's cut (normalize_embeddings=True)
+    unit: bool = False  # normalize=True asked with truncate_dim: unit vectors after the cut (normalize_embeddings=True)
 
     def __post_init__(self):
         if self.pooling not in POOLINGS:
@@ -94,7 +94,8 @@ def recipe_of(directory=None, pooling: str | None = None, normalize: bool | None
     if normalize and pooling == "none":
         raise ValueError("pooling='none' gives each text's token states, which are not normalized: leave normalize unset")
     given = {k: v for k, v in (("pooling", pooling), ("normalize", normalize)) if v is not None}
-    return Recipe(**{**found, **given}, unit=bool(normalize))
+    chosen = {**found, **given}
+    return Recipe(**chosen, unit=bool(normalize) and chosen.get("truncate_dim") is not None)
 
 
 class TextTooLong(ValueError):

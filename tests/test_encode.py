@@ -685,3 +685,26 @@ def test_a_directory_saved_int8_is_loaded_as_int8_only(tmp_path, tiny_bert_dir):
         ids = torch.randint(1000, 2000, (2, 7))
         assert_matches(loaded(ids).last_hidden_state.float(), model.to(loaded.embeddings.word_embeddings.weight.dtype)(ids)
                        .last_hidden_state.float(), name="int8 model")
+
+
+def test_a_run_whose_manifest_predates_a_recipe_field_resumes(tmp_path, tiny_bert_dir, capfd):
+    """A run started by a fastbert without a recipe field (truncate_dim, unit) ran as that field's default:
+    resumed, not refused with "pass --restart"."""
+    from fastbert.apps.encode import InputError, run
+
+    texts = SENTENCES[:5] + ["word " * 600] + SENTENCES[5:8]
+    (tmp_path / "in.txt").write_text("\n".join(texts) + "\n", encoding="utf-8")
+    out, common = tmp_path / "out.npy", dict(progress=False, shard_texts=2, normalize=True)
+    with pytest.raises(InputError, match="line 6"):  # stopped there: the shards of lines 1-4 stay
+        run(tiny_bert_dir, str(tmp_path / "in.txt"), str(out), **common)
+    manifest = Path(str(out) + ".parts") / "manifest.json"
+    old = json.loads(manifest.read_text())
+    for field in ("truncate_dim", "unit"):
+        del old["recipe"][field]
+    manifest.write_text(json.dumps(old))
+    capfd.readouterr()
+    assert run(tiny_bert_dir, str(tmp_path / "in.txt"), str(out), truncate=True, **common) == len(texts)
+    assert "resuming after 2 complete shards" in capfd.readouterr().err
+    whole = tmp_path / "whole.npy"
+    run(tiny_bert_dir, str(tmp_path / "in.txt"), str(whole), truncate=True, **common)
+    assert np.array_equal(np.load(out), np.load(whole))

@@ -133,6 +133,10 @@ def _manifest(args, input_path, model_dir, output) -> dict:
 
 def _resumable(previous: dict, manifest: dict) -> list[str]:
     """The settings that keep `previous`'s shards from being part of this run (none: resume)."""
+    from fastbert.encode import Recipe
+
+    if isinstance(previous.get("recipe"), dict):  # written before a field existed: it ran as that field's default
+        previous = {**previous, "recipe": {**dataclasses.asdict(Recipe()), **previous["recipe"]}}
     changed = sorted(k for k in manifest if previous.get(k) != manifest[k])
     if changed == ["truncate"] and manifest["truncate"]:
         return []  # the shards so far hold no text over max_length (the run would have stopped): truncation changes none
