@@ -24,7 +24,7 @@ def main(argv=None) -> int:
     demo = sub.add_parser("demo", help="encode real sentences with all-MiniLM-L6-v2: fastbert vs transformers")
     demo.add_argument("--model", default=None, help="HF BERT directory (default: the bundled all-MiniLM-L6-v2)")
     demo.add_argument("--repeats", type=positive, default=10, help="timed runs of each model (median reported)")
-    bench = sub.add_parser("bench", help="fastbert vs transformers, torch, ONNX Runtime: medians, ratios, GEMM-rate fraction")
+    bench = sub.add_parser("bench", help="fastbert vs transformers, torch, ONNX Runtime, OpenVINO: medians, ratios, GEMM-rate fraction")
     from fastbert.apps import bench as b
     from fastbert.dispatch import BACKENDS
 
@@ -40,10 +40,13 @@ def main(argv=None) -> int:
         return parse
 
     bench.add_argument("--models", type=names(b.MODELS), default=list(b.MODELS), help="minilm (bundled checkpoint), base")
-    bench.add_argument("--dtypes", type=names(tuple(b.DTYPES)), default=["fp32"], help="fp32, bf16, int8 (fastbert.quantize beside ONNX Runtime and OpenVINO int8)")
-    bench.add_argument("--shapes", type=names(b.SHAPES), default=list(b.SHAPES), help="batch x seq (1x16: a search query), or ragged32")
+    bench.add_argument("--dtypes", type=names(tuple(b.DTYPES)), default=["fp32"],
+                       help=f"of {', '.join(b.DTYPES)} (int8: fastbert.quantize beside ONNX Runtime and OpenVINO int8)")
+    bench.add_argument("--shapes", type=names(b.SHAPES), default=list(b.SHAPES), help=f"of {', '.join(b.SHAPES)} (batch x seq; 1x16: a search query; ragged32: 32 texts of 16-128 tokens)")
     bench.add_argument("--competitors", type=names(b.COMPETITORS), default=list(b.DEFAULT_COMPETITORS),
-                       help="fastbert, hf-eager, hf-sdpa, compile (torch.compile of hf-sdpa), nested, onnxruntime")
+                       help=f"of {', '.join(b.COMPETITORS)} (default: {', '.join(b.DEFAULT_COMPETITORS)}); compile: "
+                       "torch.compile of hf-sdpa; nested: transformers' encoder on nested tensors; fastbert-bf16: "
+                       "fastbert in bfloat16 beside every row")
     bench.add_argument("--rounds", type=positive, default=7, help="timed rounds per competitor (median reported)")
     bench.add_argument("--backend", default=None, choices=BACKENDS, help="force one fastbert backend for every op")
     bench.add_argument("--out", default="benchmarks/out", help="folder for bench.json and bench.png")

@@ -29,14 +29,16 @@ def test_useful_flops_counts_real_tokens_only():
 def test_bench_command_end_to_end(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "fastbert", "bench", "--models", "minilm", "--shapes", "1x128,ragged32",
-         "--competitors", "fastbert,hf-sdpa", "--rounds", "1", "--out", str(tmp_path)],
+         "--competitors", "fastbert,hf-sdpa,fastbert-bf16", "--rounds", "1", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "| minilm | fp32 | ragged32 |" in out.stdout and "vs hf-sdpa" in out.stdout
     data = json.loads((tmp_path / "bench.json").read_text())
     assert {r["shape"] for r in data["rows"]} == {"1x128", "ragged32"}
     for row in data["rows"]:
-        assert set(row["ms"]) == {"fastbert", "hf-sdpa"}, row["skipped"]  # both passed the parity check
+        # All passed the parity check: fastbert-bf16 beside float32 rows to bfloat16's bound (it was
+        # dropped as "differs", held to float32's).
+        assert set(row["ms"]) == {"fastbert", "hf-sdpa", "fastbert-bf16"}, row["skipped"]
         assert row["gemm_fraction"] > 0
     assert (tmp_path / "bench.png").stat().st_size > 1000
 
@@ -90,3 +92,18 @@ def test_the_gemm_rate_of_float16_on_a_cpu_without_onednns_float16():
     from fastbert.apps.bench import gemm_rate
 
     assert gemm_rate(torch.float16) > 0
+
+
+def test_the_report_says_what_ran_and_no_earlier_chart_stays(tmp_path, monkeypatch):
+    """The table names a forced backend; the int8 note names only engines that were timed; without
+    matplotlib an earlier run's bench.png is removed, not left to pass for this run's."""
+    row = bench.Row("minilm", "int8", "1x16", 16, 16, ms={"fastbert": 1.0}, errors={"fastbert": 0.05},
+                    skipped={"openvino": "not installed"})
+    table = bench.markdown([row], ["fastbert", "openvino"], {"int8": 100.0}, backend="reference")
+    assert "forced to the reference backend" in table
+    note = next(line for line in table.splitlines() if line.startswith("int8 rows compute"))
+    assert "fastbert" in note and "OpenVINO" not in note and "openvino" not in note
+    (tmp_path / "bench.png").write_bytes(b"an earlier chart")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
+    assert bench.chart([row], ["fastbert"], str(tmp_path / "bench.png")) == "matplotlib not installed: no chart"
+    assert not (tmp_path / "bench.png").exists()

@@ -124,6 +124,10 @@ class Competitor:
     name: str
     run: object = None  # (ids, mask) -> last_hidden_state [B, S, H]
     unavailable: str = ""  # why it cannot run, in words
+    # Where it computes in another precision than its row's: checked to that one's bound, and within 2x
+    # of `naive` (transformers eager in that precision), as a row in that dtype is.
+    dtype: torch.dtype | None = None
+    naive: object = None
 
 
 def load_models(model: str, dtype: torch.dtype, device: str = "cpu"):
@@ -296,7 +300,8 @@ def build_competitors(names, ours, eager, sdpa, dtype, workdir, quantized=False)
                 out.append(Competitor(name, lambda ids, mask, m=model: m(ids, attention_mask=mask).last_hidden_state))
             elif name == "fastbert-bf16":
                 model = copy.deepcopy(ours).to(torch.bfloat16)
-                out.append(Competitor(name, lambda ids, mask, m=model: m(ids, attention_mask=mask).last_hidden_state))
+                out.append(Competitor(name, lambda ids, mask, m=model: m(ids, attention_mask=mask).last_hidden_state,
+                                      dtype=torch.bfloat16, naive=hf_runner(copy.deepcopy(eager).to(torch.bfloat16))))
             elif name == "hf-eager":
                 out.append(Competitor(name, hf_runner(eager)))
             elif name == "hf-sdpa":
@@ -372,8 +377,10 @@ def measure(timed: list[Competitor], reference: Competitor, ids, mask, dtype, ro
                     assert torch.isfinite(got).all() and errors[c.name] <= INT8.checkpoint_rel_err, (
                         f"rel err {errors[c.name]:.4f} > the int8 row's {INT8.checkpoint_rel_err}")
                 else:
-                    # In float64 (an engine may hand bf16 results back in float32), held to the row's dtype.
-                    assert_close(got, truth, dtype, "matmul", naive=plain, name="last_hidden_state")
+                    # In float64 (an engine may hand bf16 results back in float32), held to the dtype it
+                    # computes in (fastbert-bf16 beside float32 rows: bfloat16's).
+                    own_naive = plain if c.naive is None else c.naive(ids, mask)[real].cpu()
+                    assert_close(got, truth, c.dtype or dtype, "matmul", naive=own_naive, name="last_hidden_state")
             except AssertionError as e:
                 skipped[c.name] = f"output differs from transformers eager (float32): {e}"[:300]
                 continue
@@ -388,7 +395,7 @@ def measure(timed: list[Competitor], reference: Competitor, ids, mask, dtype, ro
 # -------------------------------------------------------------------------------------- reporting
 
 
-def markdown(rows: list[Row], names: list[str], rates: dict) -> str:
+def markdown(rows: list[Row], names: list[str], rates: dict, backend: str | None = None) -> str:
     others = [n for n in names if n != "fastbert"]
     head = ["model", "dtype", "shape", "tokens (real/padded)", *[f"{n} ms" for n in names],
             *[f"vs {n}" for n in others], "fastbert % of GEMM rate"]
@@ -401,14 +408,16 @@ def markdown(rows: list[Row], names: list[str], rates: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     lines.append(cpu_line() + f", {torch.get_num_threads()} threads; each timed call right after an untimed one "
-                 "of the same contender")
+                 "of the same contender" + (f"; fastbert's ops forced to the {backend} backend" if backend else ""))
     lines.append("GEMM rate (CPU: the GEMM fastbert runs at 1024x768x3072, int8 in quantized_dense's row blocks; "
                  "GPU: cuBLAS 8192^3; same run): "
                  + ", ".join(f"{k} {v:.0f} {'GOP' if k == 'int8' else 'GFLOP'}/s" for k, v in rates.items()))
-    if any(r.dtype == "int8" for r in rows):
-        lines.append(f"int8 rows: fastbert computes between its int8 GEMMs in "
-                     f"{str(fast_activation_dtype()).removeprefix('torch.')}, OpenVINO in its own choice, ONNX Runtime "
-                     "in float32")
+    timed_int8 = {n for r in rows if r.dtype == "int8" for n in r.ms}
+    between = {"fastbert": str(fast_activation_dtype()).removeprefix("torch."), "openvino": "its own choice",
+               "onnxruntime": "float32"}
+    if timed_int8 & between.keys():
+        lines.append("int8 rows compute between their int8 GEMMs in: "
+                     + ", ".join(f"{n} {how}" for n, how in between.items() if n in timed_int8))
     for r in rows:
         if r.dtype == "int8":
             lines.append(f"- rel err vs transformers float32, {r.model} int8 {r.shape}: "
@@ -426,6 +435,8 @@ def chart(rows: list[Row], names: list[str], path: str) -> str:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        if os.path.exists(path):
+            os.remove(path)  # an earlier run's chart would pass for this one's
         return "matplotlib not installed: no chart"
     others = [n for n in names if n != "fastbert"]
     labels = [f"{r.model}\n{r.dtype}\n{r.shape}" for r in rows]
@@ -480,10 +491,11 @@ def run(models=("minilm", "base"), dtypes=("fp32",), shapes=SHAPES, competitors=
                 rows.append(row)
                 log("    " + ", ".join(f"{k} {v:.1f} ms" for k, v in ms.items()))
     names = list(competitors)
-    table = markdown(rows, names, rates)
+    table = markdown(rows, names, rates, backend)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "cpu": cpu(),
-            "gemm_gflops": rates, "keep_freed_memory": keep_freed_memory, "command": " ".join(sys.argv)}
+            "gemm_gflops": rates, "keep_freed_memory": keep_freed_memory, "backend": backend,
+            "command": " ".join(sys.argv)}
     with open(os.path.join(out_dir, "bench.json"), "w") as f:
         json.dump({"meta": meta, "rows": [r.__dict__ for r in rows]}, f, indent=2)
     png = chart(rows, names, os.path.join(out_dir, "bench.png"))
