@@ -127,10 +127,10 @@ def _config(cls, directory: str, config, overrides: dict) -> BertConfig:
 
 def _dtype(dtype, config: BertConfig, state: dict) -> torch.dtype | None:
     """from_pretrained's dtype: a torch.dtype, its name ("bfloat16"), or "auto" (the checkpoint's: config.json's
-    dtype, else its weights')."""
-    if dtype is None or isinstance(dtype, torch.dtype):
+    dtype, else its weights'), also when not given, as in transformers 5."""
+    if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype == "auto":
+    if dtype is None or dtype == "auto":
         saved = config.extra.get("dtype") or config.extra.get("torch_dtype")
         if not isinstance(saved, str):
             return next((t.dtype for t in state.values() if t.is_floating_point()), None)

@@ -126,7 +126,7 @@ def load(directory, dtype: str | None = "fp32", tokenizer=None):
     if tokenizer is None and os.path.isdir(directory) and not any(os.path.exists(os.path.join(directory, name)) for name in TOKENIZER_FILES):
         raise ValueError(f"{directory} has no tokenizer ({' or '.join(TOKENIZER_FILES)}): save the model's tokenizer "
                          "there (tokenizer.save_pretrained(directory)) or pass tokenizer=")
-    model = BertModel.from_pretrained(directory)
+    model = BertModel.from_pretrained(directory, dtype=torch.float32)  # then cast as asked
     saved_int8 = quantization.is_quantized(model)
     dtype = dtype or ("int8" if saved_int8 else "fp32")
     if saved_int8 and dtype != "int8":

@@ -708,3 +708,15 @@ def test_a_run_whose_manifest_predates_a_recipe_field_resumes(tmp_path, tiny_ber
     whole = tmp_path / "whole.npy"
     run(tiny_bert_dir, str(tmp_path / "in.txt"), str(whole), truncate=True, **common)
     assert np.array_equal(np.load(out), np.load(whole))
+
+
+def test_load_fp32_of_a_bfloat16_checkpoint_is_float32(tmp_path, tiny_bert_dir):
+    """from_pretrained loads a checkpoint in its own dtype (transformers 5's default); encode's "fp32" asks for
+    float32 whatever the checkpoint was saved in."""
+    from fastbert.encode import load
+
+    model, tokenizer = load(tiny_bert_dir)
+    model.to(torch.bfloat16).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    assert {p.dtype for p in fastbert.BertModel.from_pretrained(tmp_path).parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in load(str(tmp_path), "fp32")[0].parameters()} == {torch.float32}

@@ -225,6 +225,10 @@ def test_dtype_argument(tmp_path):
     assert {p.dtype for p in fastbert.BertModel.from_pretrained(tmp_path, dtype="auto").parameters()} == {torch.float32}
     fastbert.BertModel.from_pretrained(tmp_path, dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
     assert {p.dtype for p in fastbert.BertModel.from_pretrained(tmp_path / "bf16", dtype="auto").parameters()} == {torch.bfloat16}
+    # Not given: the checkpoint's, as transformers 5 loads it (float32 before: another model's numbers).
+    hf_default = transformers.BertModel.from_pretrained(tmp_path / "bf16")
+    assert {p.dtype for p in fastbert.BertModel.from_pretrained(tmp_path / "bf16").parameters()} \
+        == {p.dtype for p in hf_default.parameters()} == {torch.bfloat16}
     with pytest.raises(ValueError, match="dtype must be a floating torch.dtype, its name \\('bfloat16'\\) or 'auto', got 'int8'"):
         fastbert.BertModel.from_pretrained(tmp_path, dtype="int8")
     assert fastbert.BertModel.from_pretrained(tmp_path, dtype=torch.bfloat16, torch_dtype="bfloat16").pooler.dense.weight.dtype \

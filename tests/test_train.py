@@ -512,6 +512,16 @@ def test_finetune_resume_matches_an_uninterrupted_run(tmp_path, base_model, caps
             *finetune_args(other, base_model, tmp_path / "other", "--steps", 6, "--resume", straight / "checkpoint-3"))
 
 
+def test_training_a_bfloat16_checkpoint_keeps_float32_weights(tmp_path, base_model):
+    """from_pretrained loads a checkpoint in its dtype (transformers 5's default); the trainer's weights and
+    optimizer state stay float32 (bf16 is autocast's), whatever the checkpoint was saved in."""
+    fastbert.BertForPreTraining.from_pretrained(base_model, dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    small_tokenizer().save_pretrained(tmp_path / "bf16")
+    train_file = write_csv(tmp_path / "train.csv", sentiment_rows(32), ["negative", "positive"])
+    run(*finetune_args(train_file, tmp_path / "bf16", tmp_path / "cls", "--steps", 2))
+    assert {t.dtype for t in weights(tmp_path / "cls").values() if t.is_floating_point()} == {torch.float32}
+
+
 def test_finetune_rejects_unknown_eval_labels(tmp_path, base_model, capsys):
     train_file = write_csv(tmp_path / "train.csv", sentiment_rows(16), ["neg", "pos"])
     eval_file = write_csv(tmp_path / "eval.csv", sentiment_rows(4), ["neg", "neutral"])

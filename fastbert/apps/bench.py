@@ -139,7 +139,7 @@ def load_models(model: str, dtype: torch.dtype, device: str = "cpu"):
         from fastbert.apps.demo import minilm_dir
 
         directory = minilm_dir()
-        ours = fastbert.BertModel.from_pretrained(directory)
+        ours = fastbert.BertModel.from_pretrained(directory, dtype=torch.float32)
         hf_config = transformers.BertConfig.from_pretrained(directory)
         state = ours.state_dict()
     elif model == "base":

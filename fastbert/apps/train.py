@@ -474,7 +474,8 @@ def pretrain(corpus: str, args: TrainArgs, tokenizer: str | None = None, config:
     tok = load_tokenizer(tokenizer_source(args.resume, tokenizer, model))
     torch.manual_seed(args.seed)  # the initial weights (of missing heads, for a checkpoint)
     if args.resume or model:
-        model = files_as_input(lambda: BertForPreTraining.from_pretrained(args.resume or model))
+        # Float32 weights and optimizer state whatever the checkpoint's dtype (bf16: autocast).
+        model = files_as_input(lambda: BertForPreTraining.from_pretrained(args.resume or model, dtype=torch.float32))
     else:
         model = BertForPreTraining(pretraining_config(config, len(tok)))
     check_vocab(model, tok)
@@ -559,7 +560,7 @@ def classifier_for(model_dir: str, labels: list[str], resuming: bool = False):
 
     from fastbert.heads import BertForSequenceClassification
 
-    model = files_as_input(lambda: BertForSequenceClassification.from_pretrained(model_dir))
+    model = files_as_input(lambda: BertForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32))
     cfg = model.config
     names = label_names(labels, cfg)
     if len(names) < 2:
