@@ -38,6 +38,13 @@ def read_state_dict(directory: str) -> dict[str, torch.Tensor]:
             raise ValueError(f"{path} is not a readable safetensors file (truncated or corrupted?): {e}") from None
 
     def load_pickle(path):
+        with open(path, "rb") as f:
+            head = f.read(64)
+        # torch.save writes a zip (PK), its legacy format a pickle (protocol opcode 0x80); anything else is
+        # another file under the name (a git-lfs pointer, a saved web page), not code to refuse.
+        if head and not head.startswith((b"PK\x03\x04", b"\x80")):
+            lfs = " (a git-lfs pointer: fetch the file itself, git lfs pull)" if head.startswith(b"version https://git-lfs") else ""
+            raise ValueError(f"{path} is not a PyTorch checkpoint{lfs}: it starts with {head[:32]!r}")
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as e:  # weights_only refuses anything but tensors and plain containers

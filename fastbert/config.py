@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # hidden_act -> the GELU approximation fastbert's kernels compute (the tanh forms are one formula).
-HIDDEN_ACTS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
+HIDDEN_ACTS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh",
+               "gelu_python": "none", "gelu_python_tanh": "tanh"}  # the last two: the same formulas in Python
 
 PROBLEM_TYPES = (None, "regression", "single_label_classification", "multi_label_classification")
 

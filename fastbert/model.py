@@ -435,9 +435,12 @@ class BertModel(BertPreTrainedModel):
         weights = self.embeddings.word_embeddings.weight
         if input_ids.device != weights.device:
             raise ValueError(f"input_ids is on {input_ids.device} but the model's parameters are on {weights.device}")
-        cfg = self.config
-        if s > cfg.max_position_embeddings and position_ids is None:  # given ids are checked by value below
-            raise ValueError(f"sequence length {s} exceeds max_position_embeddings ({cfg.max_position_embeddings})"
+        # The tables' sizes, not the config's: a table swapped in (set_input_embeddings on a transformers
+        # model, which leaves config.vocab_size) serves every id it has rows for.
+        tables = self.embeddings
+        positions = tables.position_embeddings.num_embeddings
+        if s > positions and position_ids is None:  # given ids are checked by value below
+            raise ValueError(f"sequence length {s} exceeds max_position_embeddings ({positions})"
                              " (pass position_ids for sequences packed in one row)")
         for name, t in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids), ("position_ids", position_ids)):
             if t is None:
@@ -458,9 +461,9 @@ class BertModel(BertPreTrainedModel):
                 raise ValueError(f"attention_mask must be bool, integer or float 0/1, got dtype {t.dtype}")
         if torch.compiler.is_compiling():
             return
-        limits = (("input_ids", input_ids, cfg.vocab_size, "vocab_size"),
-                  ("token_type_ids", token_type_ids, cfg.type_vocab_size, "type_vocab_size"),
-                  ("position_ids", position_ids, cfg.max_position_embeddings, "max_position_embeddings"))
+        limits = (("input_ids", input_ids, tables.word_embeddings.num_embeddings, "vocab_size"),
+                  ("token_type_ids", token_type_ids, tables.token_type_embeddings.num_embeddings, "type_vocab_size"),
+                  ("position_ids", position_ids, positions, "max_position_embeddings"))
         for name, t, limit, field_name in limits:
             if t is not None:
                 lo, hi = int(t.min()), int(t.max())

@@ -3,6 +3,7 @@ import json
 import logging
 import os
 import pickle
+import re
 
 import pytest
 import torch
@@ -86,6 +87,18 @@ def test_truncated_bin_is_a_clear_error(tmp_path):
         fastbert.BertModel.from_pretrained(tmp_path)
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
     with pytest.raises(ValueError, match="\\(truncated or corrupted\\?\\): EOFError"):  # not an empty reason
+        fastbert.BertModel.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("content,message", [
+    (b"version https://git-lfs.github.com/spec/v1\noid sha256:0123\nsize 4242\n", "a git-lfs pointer: fetch the file itself"),
+    (b"<!DOCTYPE html><html>", "it starts with b'<!DOCTYPE html>")])
+def test_a_bin_that_is_no_checkpoint_is_named_so(tmp_path, content, message):
+    """A git-lfs pointer or a saved web page under the checkpoint's name was "refused: it holds more than
+    tensors (fastbert never unpickles code)", as if it were a malicious pickle."""
+    transformers.BertConfig(**SMALL).save_pretrained(tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(content)
+    with pytest.raises(ValueError, match=f"pytorch_model.bin is not a PyTorch checkpoint.*{re.escape(message)}"):
         fastbert.BertModel.from_pretrained(tmp_path)
 
 

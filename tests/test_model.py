@@ -14,6 +14,9 @@ CONFIGS = {
     "d64-3layers-gelu_new": dict(hidden_size=128, num_attention_heads=2, num_hidden_layers=3, intermediate_size=256, hidden_act="gelu_new"),
     "d32-3layers-tanh": dict(hidden_size=96, num_attention_heads=3, num_hidden_layers=3, intermediate_size=384, hidden_act="gelu_pytorch_tanh"),
     "d64-1layer-gelu": dict(hidden_size=256, num_attention_heads=4, num_hidden_layers=1, intermediate_size=512, hidden_act="gelu"),
+    # transformers' Python forms of the two GELUs (refused as "not supported" before)
+    "d32-1layer-gelu_python": dict(hidden_size=64, num_attention_heads=2, num_hidden_layers=1, intermediate_size=96, hidden_act="gelu_python"),
+    "d32-1layer-gelu_python_tanh": dict(hidden_size=64, num_attention_heads=2, num_hidden_layers=1, intermediate_size=96, hidden_act="gelu_python_tanh"),
 }
 LENGTHS = [11, 6, 1, 9]  # unequal lengths in one batch, one single-token sequence
 

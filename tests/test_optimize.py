@@ -408,6 +408,29 @@ class LowRankAdapter(torch.nn.Module):
         return self.base(x) + self.up(self.down(x))
 
 
+def test_tables_larger_than_the_config_serve_all_their_ids():
+    """transformers runs every id a table has rows for, whatever the config says (set_input_embeddings leaves
+    config.vocab_size; a token-type or position table grown by hand): the optimized model did not, its range
+    checks read the config ("input_ids must lie in [0, vocab_size=...)")."""
+    hf = transformers.BertModel(transformers.BertConfig(**SMALL)).eval()
+    embeddings = hf.embeddings
+    torch.manual_seed(0)
+    hf.set_input_embeddings(torch.nn.Embedding(embeddings.word_embeddings.num_embeddings + 10, 64, padding_idx=0))
+    embeddings.token_type_embeddings = torch.nn.Embedding(4, 64)
+    embeddings.position_embeddings = torch.nn.Embedding(embeddings.position_embeddings.num_embeddings + 8, 64)
+    plain = copy.deepcopy(hf)
+    fastbert.optimize(hf)
+    vocab, positions = hf.config.vocab_size, hf.config.max_position_embeddings
+    ids = torch.tensor([[5, vocab + 9, 7, vocab + 1], [3, 4, vocab, 2]])  # past the config's vocabulary
+    given = dict(attention_mask=torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]), token_type_ids=torch.full_like(ids, 3),
+                 position_ids=torch.arange(positions + 4, positions + 8)[None])
+    with fastbert.dispatch.record() as calls:
+        a = hf(ids, **given).last_hidden_state
+    assert ran_fastbert(calls)
+    real = given["attention_mask"].bool()
+    assert_matches(a[real], plain(ids, **given).last_hidden_state[real], name="ids past the config's table sizes")
+
+
 def test_modules_swapped_in_later_are_followed():
     hf = transformers.BertModel(transformers.BertConfig(**SMALL)).eval()
     plain = copy.deepcopy(hf)
@@ -644,6 +667,13 @@ def test_modules_that_compute_other_than_transformers_bert_are_run_by_transforme
         _runs_as_transformers(*pair(), doubled)[0]
     assert "encoder.layer.0.attention.self.scaling is 1.0" in \
         _runs_as_transformers(*pair(), lambda m: setattr(m.encoder.layer[0].attention.self, "scaling", 1.0))[0]
+    # A causal self-attention (transformers' sdpa attends causally there; rel err 6.8e-3 it was).
+    assert "encoder.layer.1.attention.self.is_causal is set" in \
+        _runs_as_transformers(*pair(), lambda m: setattr(m.encoder.layer[1].attention.self, "is_causal", True))[0]
+    built_as_decoder = transformers.BertModel(transformers.BertConfig(**SMALL, is_decoder=True)).eval()
+    built_as_decoder.config.is_decoder = False  # its layers keep is_causal
+    with pytest.raises(TypeError, match="attention.self.is_causal is set"):
+        fastbert.optimize(built_as_decoder)
     hf, plain = pair()
     hf(torch.tensor([[5, 6, 7]]))  # the encoder is built before the class changes
     intermediate = transformers.models.bert.modeling_bert.BertIntermediate

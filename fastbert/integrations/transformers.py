@@ -71,7 +71,10 @@ def _activation_names() -> dict:
     """transformers' activation module type -> the hidden_act name fastbert computes it as."""
     from transformers.activations import ACT2FN
 
-    return {type(ACT2FN[name]): name for name in HIDDEN_ACTS}
+    names = {}
+    for name in HIDDEN_ACTS:  # the first name of a type (gelu_python's module is gelu's class)
+        names.setdefault(type(ACT2FN[name]), name)
+    return names
 
 
 def _built_with(hf_bert) -> dict:
@@ -121,6 +124,10 @@ def _runs_bert_code(hf_bert) -> None:
         scaling = module.__dict__.get("scaling")
         if isinstance(module, modeling_bert.BertSelfAttention) and scaling not in (None, module.attention_head_size**-0.5):
             raise TypeError(f"{where}.scaling is {scaling}, not 1/sqrt(head size); fastbert's attention scales by that")
+        if isinstance(module, modeling_bert.BertSelfAttention) and module.__dict__.get("is_causal"):
+            # Built as a decoder (is_decoder=True) and kept: transformers' sdpa attends causally there.
+            raise TypeError(f"{where}.is_causal is set (a decoder's attention); fastbert's attention is "
+                            "bidirectional, as an encoder's")
 
 
 def _encoder_sharing(hf_bert):
@@ -159,10 +166,11 @@ def _encoder_for(hf_bert, quantized: bool):
 def _settings(config, attentions, classes) -> tuple:
     """What transformers' forward reads at each call besides the modules: from the config the table sizes
     (resize_token_embeddings changes a table in place, and the config) and is_decoder (a causal mask); the
-    self-attentions' scaling attributes (transformers 5's); the modules' classes' forwards (one patched on
-    its class): these two add ~2 us a forward (BERT-base)."""
+    self-attentions' scaling and is_causal attributes (transformers 5's); the modules' classes' forwards (one
+    patched on its class): these two add ~2 us a forward (BERT-base)."""
     return (config.vocab_size, config.type_vocab_size, config.max_position_embeddings, config.is_decoder,
-            tuple(a.__dict__.get("scaling") for a in attentions), tuple(c.forward for c in classes))
+            tuple((a.__dict__.get("scaling"), a.__dict__.get("is_causal")) for a in attentions),
+            tuple(c.forward for c in classes))
 
 
 def _tree(hf_bert, quantized: bool) -> tuple:
