@@ -155,7 +155,7 @@ class BertForMaskedLM(BertPreTrainedModel):
         logits = self.cls(out.last_hidden_state)  # [B, S, V]
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits.reshape(-1, self.config.vocab_size), labels.reshape(-1), ignore_index=-100)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
         return _finish(MaskedLMOutput(loss, logits, out.hidden_states, out.attentions), return_dict, self.config)
 
 
@@ -180,7 +180,7 @@ class BertForPreTraining(BertPreTrainedModel):
         prediction_logits, seq_logits = self.cls(out.last_hidden_state, out.pooler_output)
         loss = None
         if labels is not None and next_sentence_label is not None:
-            mlm = F.cross_entropy(prediction_logits.reshape(-1, self.config.vocab_size), labels.reshape(-1), ignore_index=-100)
+            mlm = F.cross_entropy(prediction_logits.reshape(-1, prediction_logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
             nsp = F.cross_entropy(seq_logits.reshape(-1, 2), next_sentence_label.reshape(-1))
             loss = mlm + nsp
         return _finish(BertForPreTrainingOutput(loss, prediction_logits, seq_logits, out.hidden_states, out.attentions),

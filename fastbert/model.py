@@ -336,6 +336,49 @@ class BertPreTrainedModel(nn.Module):
         """The entries of _tied_weights_keys that are tied in this model right now."""
         return {t: s for t, s in self._tied_weights_keys.items() if self.get_parameter(t) is self.get_parameter(s)}
 
+    def get_input_embeddings(self) -> nn.Embedding:
+        return getattr(self, self.base_model_prefix, self).embeddings.word_embeddings
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        getattr(self, self.base_model_prefix, self).embeddings.word_embeddings = value
+
+    def get_output_embeddings(self) -> nn.Linear | None:
+        """The masked-LM decoder where the model has one (its weight the input embeddings', when tied)."""
+        predictions = getattr(getattr(self, "cls", None), "predictions", None)
+        return None if predictions is None else predictions.decoder
+
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
+                                mean_resizing: bool = True) -> nn.Embedding:
+        """As transformers': the word embeddings get new_num_tokens rows (rounded up to a multiple of
+        pad_to_multiple_of), the first ones kept; added rows are the old rows' mean (mean_resizing;
+        transformers draws them within 1e-9 of the covariance around it) or drawn as at init. A masked-LM
+        decoder and its bias follow, and config.vocab_size. The Parameters stay the same objects (ties and
+        optimizers keep them). Returns the input embeddings."""
+        embeddings = self.get_input_embeddings()
+        for name, value in (("new_num_tokens", new_num_tokens), ("pad_to_multiple_of", pad_to_multiple_of)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        if new_num_tokens is None and pad_to_multiple_of is None:
+            return embeddings
+        rows = embeddings.num_embeddings if new_num_tokens is None else new_num_tokens
+        if pad_to_multiple_of:
+            rows = -(-rows // pad_to_multiple_of) * pad_to_multiple_of
+        resized = [embeddings.weight]
+        decoder = self.get_output_embeddings()
+        if decoder is not None:
+            decoder.out_features = rows
+            resized += [decoder.weight, self.cls.predictions.bias, decoder.bias]
+        tied = decoder is not None and decoder.weight is embeddings.weight
+        for param in {id(p): p for p in resized}.values():  # a tied Parameter once
+            # transformers pads a tied decoder's bias with zeros (an untied one's with the mean)
+            _resize_rows(param, rows, mean_resizing and not (tied and param.dim() == 1), self.config.initializer_range)
+        embeddings.num_embeddings = rows
+        if embeddings.padding_idx is not None and embeddings.padding_idx >= rows:
+            embeddings.padding_idx = None
+        self.config.vocab_size = rows
+        self.clear_prepared_weights()
+        return embeddings
+
     def clear_prepared_weights(self) -> None:
         """Forget every prepared (stacked, packed) weight and inference plan: after writing parameters
         through `.data`, which the version counter does not see. Moves (.to(), .cuda(), dtype changes) do
@@ -395,6 +438,23 @@ class BertPreTrainedModel(nn.Module):
 
     def save_pretrained(self, directory) -> None:
         checkpoint.save_pretrained(self, directory)
+
+
+def _resize_rows(param: nn.Parameter, rows: int, mean_resizing: bool, std: float) -> None:
+    """`param` with `rows` rows in place: the first ones kept; added ones the mean of the old (mean_resizing),
+    else a bias's zeros and a weight's normal(0, std) draws, as at init."""
+    with torch.no_grad():
+        old = param.data
+        new = old.new_empty((rows, *old.shape[1:]))
+        kept = min(rows, old.shape[0])
+        new[:kept] = old[:kept]
+        if mean_resizing:
+            new[kept:] = old.float().mean(0).to(old.dtype)
+        elif old.dim() == 1:
+            new[kept:] = 0
+        else:
+            new[kept:].normal_(std=std)
+        param.data = new
 
 
 def selected_states(hidden_states, flag):

@@ -358,3 +358,52 @@ def test_classifier_dropout_and_question_answering_labels():
     assert fastbert.BertForTokenClassification(fastbert.BertConfig.tiny(vocab_size=50, classifier_dropout=0.4)).dropout.p == 0.4
     with pytest.raises(ValueError, match="num_labels == 2"):
         fastbert.BertForQuestionAnswering(fastbert.BertConfig.tiny(vocab_size=50, num_labels=3))
+
+
+@pytest.mark.parametrize("name,tied", [("BertForMaskedLM", True), ("BertForMaskedLM", False),
+                                       ("BertForPreTraining", True), ("BertForSequenceClassification", True)])
+def test_resize_token_embeddings_as_transformers(tmp_path, name, tied):
+    """Tokens added to a tokenizer: resize_token_embeddings grows the word embeddings, a masked-LM decoder and
+    its bias as transformers does (added rows the old rows' mean), keeps ties and Parameters, and the
+    model gives transformers' numbers on the new ids, saved and loaded both ways."""
+    ours, theirs = twins(model_class=name, vocab_size=99, hidden_size=32, num_attention_heads=2, num_hidden_layers=1,
+                         intermediate_size=64, extra={"tie_word_embeddings": tied})
+    with torch.no_grad():  # biases apart from zero, so that their added entries' mean shows
+        for key, p in ours.named_parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+            theirs.get_parameter(key).copy_(p)
+    embedding = ours.get_input_embeddings().weight
+    assert ours.resize_token_embeddings(105, pad_to_multiple_of=8) is ours.get_input_embeddings()
+    theirs.resize_token_embeddings(105, pad_to_multiple_of=8)
+    assert ours.get_input_embeddings().weight is embedding and ours.config.vocab_size == 112
+    decoder = ours.get_output_embeddings()
+    if decoder is not None:
+        assert (decoder.weight is embedding) == tied and decoder.out_features == 112
+    mine, hf = ours.state_dict(), theirs.state_dict()
+    assert mine.keys() == hf.keys()
+    for key in mine:  # transformers draws added rows within sqrt(1e-9) of the spread around the mean
+        if key == "cls.predictions.bias" and not tied:
+            continue  # transformers' resize makes it the decoder's (which the logits add)
+        assert mine[key].shape == hf[key].shape and torch.allclose(mine[key], hf[key], atol=1e-5), key
+    ours.load_state_dict(hf)  # transformers' draws exactly, for the forward's parity
+    assert ours.get_input_embeddings().weight is embedding
+    ids, mask, _ = padded_batch(112, [7, 4])
+    ids[:, 1] = torch.tensor([111, 100])  # added tokens
+    with fastbert.dispatch.record() as calls:
+        a = ours(ids, attention_mask=mask)
+    assert any(backend != "reference" for _, backend in calls)
+    b = theirs(input_ids=ids, attention_mask=mask)
+    logits = "logits" if name != "BertForPreTraining" else "prediction_logits"
+    assert_matches(a[logits][mask.bool()] if a[logits].dim() == 3 else a[logits],
+                   b[logits][mask.bool()] if b[logits].dim() == 3 else b[logits], name=logits)
+    ours.save_pretrained(tmp_path)
+    reloaded = transformers.AutoModelForPreTraining.from_pretrained(tmp_path) if name == "BertForPreTraining" else \
+        getattr(transformers, name).from_pretrained(tmp_path)
+    assert reloaded.config.vocab_size == 112
+    assert torch.equal(reloaded.get_input_embeddings().weight, embedding.detach())
+    # Shrinking keeps the first rows; bad sizes are named.
+    ours.resize_token_embeddings(50)
+    assert ours.get_input_embeddings().weight.shape[0] == ours.config.vocab_size == 50
+    assert torch.equal(ours.get_input_embeddings().weight, hf[next(k for k in hf if "word_embeddings" in k)][:50])
+    with pytest.raises(ValueError, match="new_num_tokens must be a positive int or None, got 0"):
+        ours.resize_token_embeddings(0)
