@@ -150,7 +150,7 @@ class BertSelfAttention(nn.Module):
 
     def forward(self, x, attention_mask=None, need_weights=False, packing=None, x_rows=None):
         """`x_rows`: x as ops.QuantizedRows, for the int8 QKV GEMM (the LayerNorm before made them)."""
-        p = self.dropout.p if self.training else 0.0
+        p = self.dropout.p if self.training else 0.0  # this module's mode, not the Dropout's, as in transformers
         gemm_input = x if x_rows is None else x_rows
         if packing is not None:  # x [T, H], packed tokens
             q, k, v = self.project(gemm_input)  # 3 x [T, heads, d]
@@ -174,7 +174,9 @@ class BertSelfOutput(nn.Module):
     def forward(self, hidden, residual, quantize_output=False):
         """LayerNorm(dense(hidden) + residual); with `quantize_output` (out, out as ops.QuantizedRows)."""
         y = linear(self.dense, hidden, prepared=self.prepared)
-        p = self.dropout.p if self.training else 0.0
+        # The Dropout's own mode, as calling it reads it in transformers (Monte Carlo dropout: model.eval()
+        # with the Dropouts in train(); or the Dropouts in eval() under a training model).
+        p = self.dropout.p if self.dropout.training else 0.0
         return ops.add_layer_norm(y, residual, self.LayerNorm.weight, self.LayerNorm.bias, self.LayerNorm.eps, p,
                                   quantize_output)
 
@@ -534,7 +536,8 @@ class BertModel(BertPreTrainedModel):
 
     def padding_free(self, x, attention_mask) -> bool:
         """Run the encoder on packed tokens? When there is padding and a varlen kernel can serve."""
-        dropout_p = max(layer.attention.self.dropout.p for layer in self.encoder.layer) if self.training else 0.0
+        # (a list, not max(generator, default=): torch.compile traces this)
+        dropout_p = max([0.0] + [layer.attention.self.dropout.p for layer in self.encoder.layer if layer.attention.self.training])
         return dispatch.prefers_varlen(x, self.config.head_dim, dropout_p) and padding.worth_unpadding(attention_mask)
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
