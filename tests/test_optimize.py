@@ -753,3 +753,22 @@ def test_an_optimized_model_is_freed_when_dropped():
     del hf
     gc.collect()
     assert gone() is None
+
+
+def test_a_moved_model_lets_go_of_what_was_prepared_from_its_old_weights():
+    """transformers' .to() / .double() does not reach fastbert's encoder (kept outside the module tree): its
+    prepared forms of the float32 weights stayed alive after a move (70 MiB for a 50 MiB model)."""
+    import gc
+    import weakref
+
+    hf = fastbert.optimize(transformers.BertModel(transformers.BertConfig(**SMALL)).eval())
+    ids = torch.randint(1, 120, (2, 7))
+    with torch.no_grad():
+        hf(ids)
+        hf(ids)
+    before = weakref.ref(hf.__dict__["_fastbert_encoder"])
+    hf.double()
+    with torch.no_grad():
+        assert hf(ids).last_hidden_state.dtype == torch.float64
+    gc.collect()
+    assert before() is None

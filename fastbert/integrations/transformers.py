@@ -184,8 +184,11 @@ def _settings(config, attentions, classes) -> tuple:
     """What transformers' forward reads at each call besides the modules: from the config the table sizes
     (resize_token_embeddings changes a table in place, and the config) and is_decoder (a causal mask); the
     self-attentions' scaling and is_causal attributes (transformers 5's); the modules' classes' forwards (one
-    patched on its class): these two add ~2 us a forward (BERT-base)."""
+    patched on its class): these two add ~2 us a forward (BERT-base). Also the weights' dtype and device: after
+    a move (.double(), .half(), .to(device)) the encoder is made again, its prepared forms of the old weights
+    freed (transformers' .to() does not reach the encoder, kept outside the module tree)."""
     return (config.vocab_size, config.type_vocab_size, config.max_position_embeddings, config.is_decoder,
+            tuple((a.query.weight.dtype, a.query.weight.device) for a in attentions[:1]),
             tuple((a.__dict__.get("scaling"), a.__dict__.get("is_causal")) for a in attentions),
             tuple(c.forward for c in classes))
 
