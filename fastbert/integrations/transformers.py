@@ -140,7 +140,7 @@ def _encoder_sharing(hf_bert):
             theirs = hf_bert.get_submodule(name)
             if not _plain(theirs):
                 raise TypeError(f"fastbert.optimize: {name} is a {type(theirs).__module__}.{type(theirs).__name__}, "
-                                f"not a plain torch.nn.{type(module).__name__} (merge adapters into the weights, or optimize before adding them)")
+                                f"not a plain torch.nn.{type(module).__name__} (merge adapters into the weights: fastbert's kernels read plain weights)")
             parent_name, _, leaf = name.rpartition(".")
             parent = ours.get_submodule(parent_name) if parent_name else ours
             setattr(parent, leaf, theirs)
