@@ -15,7 +15,7 @@ from torch import nn
 
 from fastbert import ops
 from fastbert.config import BertConfig
-from fastbert.model import BertModel, BertPreTrainedModel, ModelOutput
+from fastbert.model import BertModel, BertPreTrainedModel, ModelOutput, refuse_skipped_hooks
 
 States = tuple[torch.Tensor, ...] | None
 
@@ -149,6 +149,7 @@ class BertForMaskedLM(BertPreTrainedModel):
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
                 output_hidden_states: bool | None = None, output_attentions: bool | None = None, return_dict: bool | None = None):
         """labels [B, S]: token ids to predict, -100 where no prediction is scored."""
+        refuse_skipped_hooks(self)  # the head's own layers too
         out = self.bert(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
                         output_hidden_states=output_hidden_states, output_attentions=output_attentions, return_dict=True,
                         allow_unpadding=not scores_pads(labels, attention_mask))
@@ -174,6 +175,7 @@ class BertForPreTraining(BertPreTrainedModel):
                 return_dict: bool | None = None):
         """labels [B, S] as for BertForMaskedLM; next_sentence_label [B]: 0 = B follows A, 1 = random.
         The loss (MLM + NSP) needs both, as in transformers."""
+        refuse_skipped_hooks(self)  # the head's own layers too
         out = self.bert(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
                         output_hidden_states=output_hidden_states, output_attentions=output_attentions, return_dict=True,
                         allow_unpadding=not scores_pads(labels, attention_mask))
@@ -206,6 +208,7 @@ class BertForSequenceClassification(_Classifier):
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
                 output_hidden_states: bool | None = None, output_attentions: bool | None = None, return_dict: bool | None = None):
         """labels [B]: class ids (single label), floats (regression), or [B, L] floats (multi label)."""
+        refuse_skipped_hooks(self)  # the head's own layers too
         out = self.bert(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
                         output_hidden_states=output_hidden_states, output_attentions=output_attentions, return_dict=True)
         logits = linear(self.classifier, self.dropout(out.pooler_output))  # [B, L]
@@ -239,6 +242,7 @@ class BertForTokenClassification(_Classifier):
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
                 output_hidden_states: bool | None = None, output_attentions: bool | None = None, return_dict: bool | None = None):
         """labels [B, S]: class ids, -100 where no prediction is scored (pads, word-piece continuations)."""
+        refuse_skipped_hooks(self)  # the head's own layers too
         out = self.bert(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
                         output_hidden_states=output_hidden_states, output_attentions=output_attentions, return_dict=True,
                         allow_unpadding=not scores_pads(labels, attention_mask))
@@ -267,6 +271,7 @@ class BertForQuestionAnswering(BertPreTrainedModel):
         with_loss = start_positions is not None and end_positions is not None
         # transformers' span loss takes its softmax over every position, pads included, so with a loss
         # the pad tokens must run through the encoder as they do there.
+        refuse_skipped_hooks(self)  # the head's own layers too
         out = self.bert(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
                         output_hidden_states=output_hidden_states, output_attentions=output_attentions, return_dict=True,
                         allow_unpadding=not with_loss)

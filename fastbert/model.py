@@ -12,6 +12,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils.checkpoint import checkpoint as recompute_in_backward
+from torch.utils.hooks import RemovableHandle
 
 from fastbert import checkpoint, dispatch, ops, padding  # checkpoint: HF directories (fastbert/checkpoint.py)
 from fastbert import quantization
@@ -459,6 +460,27 @@ def _resize_rows(param: nn.Parameter, rows: int, mean_resizing: bool, std: float
         param.data = new
 
 
+_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def refuse_skipped_hooks(model: nn.Module) -> None:
+    """Raise where a Linear or a LayerNorm of `model` has hooks: fastbert's kernels read their weights without
+    calling them, so a hook would be skipped (torch.nn.utils.prune's recomputes the weight: stale numbers in
+    inference, a crash in training's second step). Every hook registered takes a handle number: with none
+    taken since the last look found nothing, nothing is walked."""
+    if torch.compiler.is_compiling():
+        return
+    count = RemovableHandle.next_id
+    if model.__dict__.get("_no_hooks_at") == count:
+        return
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Linear, nn.LayerNorm)) and any(getattr(module, hooks) for hooks in _HOOKS):
+            raise RuntimeError(f"{name} has hooks (forward, backward, or torch.nn.utils.prune's / weight_norm's): "
+                               "fastbert's kernels read its weight without calling it and would skip them; remove "
+                               "them (prune.remove(module, 'weight') keeps a pruning), or run transformers' model")
+    model.__dict__["_no_hooks_at"] = count
+
+
 def selected_states(hidden_states, flag):
     """transformers 5 takes output_hidden_states as an index or a list of them and leaves the other
     states None (an index out of range selects nothing)."""
@@ -482,6 +504,7 @@ class BertModel(BertPreTrainedModel):
 
     def check_inputs(self, input_ids, attention_mask, token_type_ids, position_ids) -> None:
         """Clear errors before any compute. Value checks (ids in range) run eagerly, not under compile."""
+        refuse_skipped_hooks(self)
         if torch.jit.is_tracing():
             raise RuntimeError("torch.jit.trace (and torch.onnx.export with dynamo=False, which traces with it) "
                                "cannot record fastbert's kernels: use torch.compile or torch.export")

@@ -282,3 +282,28 @@ def test_second_derivatives_are_refused_by_name_and_run_on_the_reference():
     b.backward()
     assert_matches(a, b, name="gradient penalty")
     assert_same_gradients(ours, theirs)
+
+
+def test_hooks_the_kernels_would_skip_are_refused():
+    """fastbert's kernels read a Linear's or a LayerNorm's weight without calling it: a hook there (here
+    torch.nn.utils.prune's, which recomputes the weight) was skipped, stale numbers in inference and a crash in
+    training's second step. Refused, naming the module; with the pruning made permanent, transformers' numbers."""
+    from torch.nn.utils import prune
+
+    ours, theirs = twins(vocab_size=99, **CONFIGS["d32-1layer-gelu"])
+    ids, mask, _ = padded_batch(99, [7, 3])
+    ours(ids, attention_mask=mask)  # a look that found no hooks is remembered until a handle is taken
+    for model in (ours, theirs):
+        prune.l1_unstructured(model.encoder.layer[0].attention.self.query, "weight", amount=0.5)
+    with pytest.raises(RuntimeError, match="encoder.layer.0.attention.self.query has hooks"):
+        ours(ids, attention_mask=mask)
+    prune.remove(ours.encoder.layer[0].attention.self.query, "weight")
+    with fastbert.dispatch.record() as calls:
+        a = ours(ids, attention_mask=mask).last_hidden_state
+    assert any(backend != "reference" for _, backend in calls)
+    assert_matches(a[mask.bool()], theirs(input_ids=ids, attention_mask=mask).last_hidden_state[mask.bool()],
+                   name="pruned")
+    head = fastbert.BertForSequenceClassification(ours.config).eval()
+    head.classifier.register_forward_hook(lambda module, args, out: out * 0)
+    with pytest.raises(RuntimeError, match="^classifier has hooks"):
+        head(ids, attention_mask=mask)
