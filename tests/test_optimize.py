@@ -772,3 +772,16 @@ def test_a_moved_model_lets_go_of_what_was_prepared_from_its_old_weights():
         assert hf(ids).last_hidden_state.dtype == torch.float64
     gc.collect()
     assert before() is None
+
+
+def test_a_parametrized_linear_is_named_as_such():
+    """A LoRA made with torch.nn.utils.parametrize was refused as "parametrizations (ModuleDict) runs a forward
+    of its own (..._forward_unimplemented)"."""
+    hf = transformers.BertModel(transformers.BertConfig(**SMALL)).eval()
+    query = hf.encoder.layer[0].attention.self.query
+    torch.nn.utils.parametrize.register_parametrization(query, "weight", torch.nn.Identity())
+    with pytest.raises(TypeError, match="encoder.layer.0.attention.self.query is parametrized"):
+        fastbert.optimize(hf)
+    from fastbert.integrations.transformers import OptimizedForward
+
+    assert not isinstance(hf.forward, OptimizedForward)  # left untouched

@@ -138,6 +138,9 @@ def _encoder_sharing(hf_bert):
     for name, module in list(ours.named_modules()):
         if isinstance(module, _LEAVES):
             theirs = hf_bert.get_submodule(name)
+            if torch.nn.utils.parametrize.is_parametrized(theirs):
+                raise TypeError(f"fastbert.optimize: {name} is parametrized (torch.nn.utils.parametrize): merge the "
+                                "parametrization into the weight first (parametrize.remove_parametrizations)")
             if not _plain(theirs):
                 raise TypeError(f"fastbert.optimize: {name} is a {type(theirs).__module__}.{type(theirs).__name__}, "
                                 f"not a plain torch.nn.{type(module).__name__} (merge adapters into the weights: fastbert's kernels read plain weights)")
@@ -372,9 +375,13 @@ class OptimizedForward:
         return result if setting("return_dict", True) else result.to_tuple()
 
 
-@functools.cache
+_SIGNATURES: dict = {}  # a plain dict, not functools.cache: torch.compile warned at every compile of a call to one
+
+
 def _signature(cls) -> inspect.Signature:
-    return inspect.signature(cls.forward)
+    if cls not in _SIGNATURES:
+        _SIGNATURES[cls] = inspect.signature(cls.forward)
+    return _SIGNATURES[cls]
 
 
 _reading_pads = threading.local()  # .models: ids of the encoders whose head's loss, in this thread's call, reads pads
