@@ -463,22 +463,36 @@ def _resize_rows(param: nn.Parameter, rows: int, mean_resizing: bool, std: float
 _HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
 
+_ASSIGNED = [0]  # modules assigned to a module anywhere: a module hooked elsewhere takes no new handle
+
+
+def _count_assignment(*_) -> None:
+    _ASSIGNED[0] += 1
+
+
 def refuse_skipped_hooks(model: nn.Module) -> None:
-    """Raise where a Linear or a LayerNorm of `model` has hooks: fastbert's kernels read their weights without
-    calling them, so a hook would be skipped (torch.nn.utils.prune's recomputes the weight: stale numbers in
-    inference, a crash in training's second step). Every hook registered takes a handle number: with none
-    taken since the last look found nothing, nothing is walked."""
+    """Raise where a Linear or a LayerNorm of `model` has hooks and its owner does not call it (`calls`):
+    fastbert's kernels read its weights, so a hook would be skipped (torch.nn.utils.prune's recomputes the
+    weight: stale numbers in inference, a crash in training's second step). Every hook registered takes a
+    handle number and every module assigned is counted: with neither since a look found nothing, nothing
+    is walked."""
     if torch.compiler.is_compiling():
         return
-    count = RemovableHandle.next_id
-    if model.__dict__.get("_no_hooks_at") == count:
+    if not _ASSIGNED[0]:
+        _ASSIGNED[0] = 1
+        torch.nn.modules.module.register_module_module_registration_hook(_count_assignment)
+    seen = (RemovableHandle.next_id, _ASSIGNED[0])
+    if model.__dict__.get("_no_hooks_at") == seen:
         return
-    for name, module in model.named_modules():
-        if isinstance(module, (nn.Linear, nn.LayerNorm)) and any(getattr(module, hooks) for hooks in _HOOKS):
-            raise RuntimeError(f"{name} has hooks (forward, backward, or torch.nn.utils.prune's / weight_norm's): "
-                               "fastbert's kernels read its weight without calling it and would skip them; remove "
-                               "them (prune.remove(module, 'weight') keeps a pruning), or run transformers' model")
-    model.__dict__["_no_hooks_at"] = count
+    for owner_name, owner in model.named_modules():
+        for name, module in owner.named_children():
+            if (isinstance(module, (nn.Linear, nn.LayerNorm)) and name not in getattr(owner, "calls", ())
+                    and any(getattr(module, hooks) for hooks in _HOOKS)):
+                raise RuntimeError(f"{owner_name + '.' if owner_name else ''}{name} has hooks (forward, backward, or "
+                                   "torch.nn.utils.prune's / weight_norm's): fastbert's kernels read its weight without "
+                                   "calling it and would skip them; remove them (prune.remove(module, 'weight') keeps "
+                                   "a pruning), or run transformers' model")
+    model.__dict__["_no_hooks_at"] = seen
 
 
 def selected_states(hidden_states, flag):
@@ -559,8 +573,10 @@ class BertModel(BertPreTrainedModel):
 
     def padding_free(self, x, attention_mask) -> bool:
         """Run the encoder on packed tokens? When there is padding and a varlen kernel can serve."""
-        # (a list, not max(generator, default=): torch.compile traces this)
-        dropout_p = max([0.0] + [layer.attention.self.dropout.p for layer in self.encoder.layer if layer.attention.self.training])
+        # Each self-attention's own mode (a list, not max(generator, default=): torch.compile traces this); in
+        # eval none is looked at (a self-attention put in train() under an eval model finds its kernel itself).
+        dropout_p = max([0.0] + [layer.attention.self.dropout.p for layer in self.encoder.layer
+                                 if layer.attention.self.training]) if self.training else 0.0
         return dispatch.prefers_varlen(x, self.config.head_dim, dropout_p) and padding.worth_unpadding(attention_mask)
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,

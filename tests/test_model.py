@@ -1,5 +1,6 @@
 """BertModel gives transformers' numbers: outputs at real positions and every parameter gradient."""
 import contextlib
+import copy
 import json
 
 import pytest
@@ -307,3 +308,16 @@ def test_hooks_the_kernels_would_skip_are_refused():
     head.classifier.register_forward_hook(lambda module, args, out: out * 0)
     with pytest.raises(RuntimeError, match="^classifier has hooks"):
         head(ids, attention_mask=mask)
+    # A module hooked elsewhere and then assigned in takes no new hook handle: refused all the same.
+    spare = copy.deepcopy(ours.encoder.layer[0].attention.self.key)
+    prune.l1_unstructured(spare, "weight", amount=0.5)
+    ours(ids, attention_mask=mask)
+    ours.encoder.layer[0].attention.self.key = spare
+    with pytest.raises(RuntimeError, match="encoder.layer.0.attention.self.key has hooks"):
+        ours(ids, attention_mask=mask)
+    # A layer fastbert calls as a module keeps its hooks, which fire.
+    lm = fastbert.BertForMaskedLM(ours.config).eval()
+    fired = []
+    lm.cls.predictions.transform.LayerNorm.register_forward_hook(lambda *_: fired.append(1))
+    lm(ids, attention_mask=mask)
+    assert fired == [1]

@@ -709,12 +709,14 @@ def test_optimize_refuses_what_its_encoder_would_not_compute(change, message):
 
 
 @pytest.mark.parametrize("kind", ["fastbert.BertModel", "optimize"])
-def test_each_dropout_keeps_the_mode_set_on_it(kind):
+@pytest.mark.parametrize("dropout", ["hidden", "attention"])
+def test_each_dropout_keeps_the_mode_set_on_it(kind, dropout):
     """Hidden dropout follows its Dropout module's own mode, attention dropout its self-attention's, as in
     transformers: Monte Carlo dropout (model.eval(), the Dropouts train()) drew no mask, and a training model
     with its Dropouts in eval() drew them; optimize()'s forward put every shared Dropout back in train()."""
-    hf = transformers.BertModel(transformers.BertConfig(**{**SMALL, "hidden_dropout_prob": 0.3,
-                                                           "attention_probs_dropout_prob": 0.0})).eval()
+    rates = {"hidden_dropout_prob": 0.3 if dropout == "hidden" else 0.0,
+             "attention_probs_dropout_prob": 0.3 if dropout == "attention" else 0.0}
+    hf = transformers.BertModel(transformers.BertConfig(**{**SMALL, **rates})).eval()
     model = copy.deepcopy(hf)
     if kind == "optimize":
         fastbert.optimize(model)
@@ -723,7 +725,9 @@ def test_each_dropout_keeps_the_mode_set_on_it(kind):
         model.load_state_dict(hf.state_dict())
     ids, mask, _ = padded_batch(120, [9, 5])
     real = mask.bool()
-    dropouts = [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+    # What decides each dropout in transformers: the Dropout modules, the self-attention modules.
+    dropouts = [m for name, m in model.named_modules() if isinstance(m, torch.nn.Dropout) if dropout == "hidden"] + \
+        [layer.attention.self for layer in model.encoder.layer if dropout == "attention"]
     with torch.no_grad():
         plain = model(ids, attention_mask=mask).last_hidden_state[real]
         for d in dropouts:  # Monte Carlo dropout
@@ -733,10 +737,10 @@ def test_each_dropout_keeps_the_mode_set_on_it(kind):
         assert ran_fastbert(calls)
         assert all(d.training for d in dropouts) and not model.training
         assert not torch.allclose(drawn[0], plain, atol=1e-3) and not torch.allclose(drawn[0], drawn[1], atol=1e-3)
-        model.train()  # a training model whose Dropouts are off (attention's rate is 0): the eval() numbers
+        model.train()  # a training model whose dropouts are off (the other kind's rate is 0): the eval() numbers
         for d in dropouts:
             d.eval()
-        assert_matches(model(ids, attention_mask=mask).last_hidden_state[real], plain, name="Dropouts in eval()")
+        assert_matches(model(ids, attention_mask=mask).last_hidden_state[real], plain, name="dropouts in eval()")
         assert not any(d.training for d in dropouts) and model.training
 
 
@@ -785,3 +789,15 @@ def test_a_parametrized_linear_is_named_as_such():
     from fastbert.integrations.transformers import OptimizedForward
 
     assert not isinstance(hf.forward, OptimizedForward)  # left untouched
+
+
+def test_a_query_without_a_weight_swapped_in_runs_on_transformers():
+    """torch's quantize_dynamic after optimize() (or an adapter without .weight) replaces the queries: the
+    per-call check read query.weight and raised AttributeError where transformers' forward should run."""
+    hf = fastbert.optimize(transformers.BertModel(transformers.BertConfig(**SMALL)).eval())
+    ids = torch.randint(1, 120, (2, 7))
+    with torch.no_grad():
+        hf(ids)
+        torch.ao.quantization.quantize_dynamic(hf, {torch.nn.Linear}, inplace=True)
+        with pytest.warns(UserWarning, match="transformers' own forward runs this model"):
+            assert torch.isfinite(hf(ids).last_hidden_state).all()

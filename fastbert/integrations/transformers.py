@@ -191,7 +191,7 @@ def _settings(config, attentions, classes) -> tuple:
     a move (.double(), .half(), .to(device)) the encoder is made again, its prepared forms of the old weights
     freed (transformers' .to() does not reach the encoder, kept outside the module tree)."""
     return (config.vocab_size, config.type_vocab_size, config.max_position_embeddings, config.is_decoder,
-            tuple((a.query.weight.dtype, a.query.weight.device) for a in attentions[:1]),
+            tuple((w.dtype, w.device) for a in attentions[:1] if isinstance(w := getattr(a.query, "weight", None), torch.Tensor)),
             tuple((a.__dict__.get("scaling"), a.__dict__.get("is_causal")) for a in attentions),
             tuple(c.forward for c in classes))
 
@@ -237,6 +237,8 @@ def _encoder_for_now(hf_bert):
     quantized = state["_fastbert_quantized"]
     if _unchanged(hf_bert, state["_fastbert_tree"]):
         return state["_fastbert_encoder"]
+    if state["_fastbert_encoder"] is not None:  # in reference cycles: let go of its prepared weights now, not at gc
+        state["_fastbert_encoder"].clear_prepared_weights()
     try:
         ours = _encoder_for(hf_bert, quantized)
     except (TypeError, ValueError, AttributeError) as e:
@@ -355,8 +357,9 @@ class OptimizedForward:
 
         if ours.training != hf_bert.training:
             ours.clear_prepared_weights()  # as train() / eval() of a fastbert model does
-        for mine, theirs in ours.mode_sources:  # ~8 us a forward for BERT-base
-            mine.training = theirs.training
+        for mine, theirs in ours.mode_sources:  # ~8 us a forward for BERT-base: Module.__setattr__ on a change only
+            if mine.training != theirs.training:
+                mine.training = theirs.training
         padded = id(hf_bert) in getattr(_reading_pads, "models", ())
         follow_checkpointing(hf_bert, ours)
         # As transformers reads them: a 2-D mask as `mask != 0` (so 2 or 0.5 is a token), ids of one
