@@ -194,6 +194,8 @@ class BertForPreTraining(BertPreTrainedModel):
 class _Classifier(BertPreTrainedModel):
     """The encoder, dropout and a `classifier` linear layer: what sequence and token classification share."""
 
+    calls = ("dropout",)
+
     def __init__(self, config: BertConfig, add_pooling_layer: bool):
         super().__init__(config)
         self.num_labels = config.num_labels

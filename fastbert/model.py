@@ -84,6 +84,9 @@ class BertModelOutput(ModelOutput):
 
 
 class BertEmbeddings(nn.Module):
+    # Called as modules (their hooks fire); token_type_embeddings' weight is read where no ids are given.
+    calls = ("word_embeddings", "position_embeddings", "dropout")
+
     def __init__(self, config: BertConfig):
         super().__init__()
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
@@ -463,6 +466,8 @@ def _resize_rows(param: nn.Parameter, rows: int, mean_resizing: bool, std: float
 _HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
 
+# The layers whose weights (or rate) the kernels read: their hooks are skipped unless the owner `calls` them.
+_READ_NOT_CALLED = (nn.Linear, nn.LayerNorm, nn.Dropout, nn.Embedding)
 _ASSIGNED = [0]  # modules assigned to a module anywhere: a module hooked elsewhere takes no new handle
 
 
@@ -471,8 +476,8 @@ def _count_assignment(*_) -> None:
 
 
 def refuse_skipped_hooks(model: nn.Module) -> None:
-    """Raise where a Linear or a LayerNorm of `model` has hooks and its owner does not call it (`calls`):
-    fastbert's kernels read its weights, so a hook would be skipped (torch.nn.utils.prune's recomputes the
+    """Raise where a Linear, LayerNorm, Dropout or Embedding of `model` has hooks and its owner does not call it
+    (`calls`): fastbert's kernels read its weights or rate, so a hook would be skipped (torch.nn.utils.prune's recomputes the
     weight: stale numbers in inference, a crash in training's second step). Every hook registered takes a
     handle number and every module assigned is counted: with neither since a look found nothing, nothing
     is walked."""
@@ -486,7 +491,7 @@ def refuse_skipped_hooks(model: nn.Module) -> None:
         return
     for owner_name, owner in model.named_modules():
         for name, module in owner.named_children():
-            if (isinstance(module, (nn.Linear, nn.LayerNorm)) and name not in getattr(owner, "calls", ())
+            if (isinstance(module, _READ_NOT_CALLED) and name not in getattr(owner, "calls", ())
                     and any(getattr(module, hooks) for hooks in _HOOKS)):
                 raise RuntimeError(f"{owner_name + '.' if owner_name else ''}{name} has hooks (forward, backward, or "
                                    "torch.nn.utils.prune's / weight_norm's): fastbert's kernels read its weight without "

@@ -319,5 +319,9 @@ def test_hooks_the_kernels_would_skip_are_refused():
     lm = fastbert.BertForMaskedLM(ours.config).eval()
     fired = []
     lm.cls.predictions.transform.LayerNorm.register_forward_hook(lambda *_: fired.append(1))
+    lm.bert.embeddings.dropout.register_forward_hook(lambda *_: fired.append(2))
     lm(ids, attention_mask=mask)
-    assert fired == [1]
+    assert sorted(fired) == [1, 2]
+    lm.bert.encoder.layer[0].output.dropout.register_forward_hook(lambda *_: fired.append(3))  # its rate is read
+    with pytest.raises(RuntimeError, match="encoder.layer.0.output.dropout has hooks"):
+        lm(ids, attention_mask=mask)
