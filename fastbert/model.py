@@ -463,7 +463,7 @@ def _resize_rows(param: nn.Parameter, rows: int, mean_resizing: bool, std: float
         param.data = new
 
 
-_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")  # a Module's hook dicts
 
 
 # The layers whose weights (or rate) the kernels read: their hooks are skipped unless the owner `calls` them.
@@ -492,7 +492,7 @@ def refuse_skipped_hooks(model: nn.Module) -> None:
     for owner_name, owner in model.named_modules():
         for name, module in owner.named_children():
             if (isinstance(module, _READ_NOT_CALLED) and name not in getattr(owner, "calls", ())
-                    and any(getattr(module, hooks) for hooks in _HOOKS)):
+                    and any(getattr(module, hooks) for hooks in MODULE_HOOKS)):
                 raise RuntimeError(f"{owner_name + '.' if owner_name else ''}{name} has hooks (forward, backward, or "
                                    "torch.nn.utils.prune's / weight_norm's): fastbert's kernels read its weight without "
                                    "calling it and would skip them; remove them (prune.remove(module, 'weight') keeps "

@@ -17,7 +17,7 @@ from torch.utils.hooks import RemovableHandle
 
 from fastbert.config import HIDDEN_ACTS, BertConfig
 from fastbert.heads import scores_pads
-from fastbert.model import BertModel, BertPreTrainedModel
+from fastbert.model import MODULE_HOOKS, BertModel, BertPreTrainedModel
 from fastbert.quantization import quantize as fastbert_quantize
 
 # HF BertModel.forward arguments fastbert's encoder serves; anything else (inputs_embeds, cross
@@ -213,9 +213,6 @@ class _Mark:
     __slots__ = ("__weakref__",)
 
 
-_CLEARED = ((), None, (), ((), ()))  # + a _Mark: no model's settings are None, so the next call rebuilds
-
-
 def _unchanged(hf_bert, tree: tuple) -> bool:
     """`hf_bert` is still what `tree` recorded. A module added anywhere is a child more of a recorded
     parent, so comparing the recorded parents' children (and classes: a __class__ set to a subclass with
@@ -248,7 +245,6 @@ def _encoder_for_now(hf_bert):
     return ours
 
 
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 # model -> [its tree's _Mark (weakly: a value holding the model kept it alive for good), its submodules'
 # __dict__s, RemovableHandle.next_id when it last had no hooks]: every hook registered anywhere takes a
 # handle, so an unchanged count means none since. Kept outside the model (never pickled or copied with it):
@@ -283,12 +279,12 @@ def _skipped(hf_bert) -> str | None:
                     if m is not hf_bert and "forward" in m.__dict__)
     if watched[2] == count:
         return None
-    if any(map(any, map(operator.itemgetter(*_HOOKS), states))):
+    if any(map(any, map(operator.itemgetter(*MODULE_HOOKS), states))):
         hooked = next((name for name, m in hf_bert.named_modules() if m is not hf_bert and not all(
-            map(_needless, itertools.chain.from_iterable(getattr(m, hooks).values() for hooks in _HOOKS)))), None)
+            map(_needless, itertools.chain.from_iterable(getattr(m, hooks).values() for hooks in MODULE_HOOKS)))), None)
         if hooked is not None:
             return f"{hooked} has hooks"
-    if any(getattr(torch.nn.modules.module, "_global" + hooks) for hooks in _HOOKS):
+    if any(getattr(torch.nn.modules.module, "_global" + hooks) for hooks in MODULE_HOOKS):
         return "module hooks are registered globally (torch.nn.modules.module.register_module_forward_hook, ...)"
     watched[2] = count
     return None
@@ -303,7 +299,7 @@ def clear_prepared_weights(model: torch.nn.Module) -> None:
         if isinstance(module, BertPreTrainedModel):
             module.clear_prepared_weights()
         elif "_fastbert_tree" in module.__dict__:
-            module.__dict__["_fastbert_tree"] = (*_CLEARED, _Mark())
+            module.__dict__["_fastbert_tree"] = ((), None, (), ((), ()), _Mark())  # no model's settings are None: rebuilt next call
 
 
 def follow_checkpointing(hf_bert, ours) -> None:
