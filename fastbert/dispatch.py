@@ -669,6 +669,7 @@ class Variant:
     fn: Callable
     reasons: Callable[[Facts], list[str]] | None = None  # why it cannot serve a call (machine or call facts)
     preferred: Callable[[Facts], bool] | None = None  # the static default where true (by the CPU's features)
+    training_only: bool = False  # differs from another variant only in its backward: not timed for inference
 
 
 @dataclass(frozen=True)
@@ -752,6 +753,10 @@ def _choose_variant(op: str, backend: str, usable: tuple[Variant, ...], key, arg
     if len(usable) == 1 or key is None or torch.compiler.is_compiling() or not tuning.enabled():
         return usable[0]
     training = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+    if not training:
+        usable = tuple(v for v in usable if not v.training_only) or usable
+        if len(usable) == 1:
+            return usable[0]
     table = _VARIANTS[(op, backend)]
     bucket = table.bucket(*args)
     pick = (key, bucket, training, torch.get_num_threads())

@@ -249,6 +249,40 @@ def test_training_calls_are_measured_with_their_backward(tuned):
     assert_close(x.grad, torch.ones(64, 48, dtype=torch.float64) @ w.detach().double(), torch.float32, "grad")
 
 
+def test_a_variant_that_differs_only_in_its_backward_is_timed_for_training_only(tuned):
+    # onednn+torch_backward runs onednn's code forward: timed beside it for inference, it won or lost by noise,
+    # and dispatch.record() then named the training variant for an inference call.
+    ran = []
+
+    def variant(name, pause, training_only=False):
+        def fn(x, bias, approximate):
+            ran.append(name)
+            time.sleep(pause)
+            return torch.nn.functional.gelu(x + bias, approximate=approximate)
+        return dispatch.Variant(name, fn, training_only=training_only)
+
+    bias = torch.randn(8)
+    with dispatch.scratch_registry():
+        dispatch.register("bias_gelu", "cpu", dispatch.Support(("cpu",), (torch.float32,)))(lambda *a: None)
+        dispatch.register_variants("bias_gelu", "cpu", (
+            variant("slow", 0.004), variant("fast", 0.0), variant("fast+backward", 0.0, training_only=True)),
+            lambda x, *_: (f"m{dispatch.size_class(x.shape[0])}",))
+        with dispatch.record() as calls:
+            ops.bias_gelu(torch.randn(6, 8), bias)
+        assert "fast+backward" not in ran and calls[0].variant == "fast"
+        assert set(tuning.entries()["bias_gelu cpu float32 infer m8"]["ms"]) == {"slow", "fast"}
+        ran.clear()
+        x = torch.randn(6, 8, requires_grad=True)
+        ops.bias_gelu(x, bias).sum().backward()
+        assert "fast+backward" in ran
+        assert set(tuning.entries()["bias_gelu cpu float32 train m8"]["ms"]) == {"slow", "fast", "fast+backward"}
+        # Forced, it serves inference too.
+        ran.clear()
+        with dispatch.use_variant("bias_gelu", "fast+backward"), torch.no_grad():
+            ops.bias_gelu(torch.randn(6, 8), bias)
+        assert ran == ["fast+backward"]
+
+
 def test_measuring_a_training_call_leaves_the_callers_graph_whole(tuned):
     """A weight that is also an ancestor of the input (a decoder tied to the embeddings), and a call inside
     a checkpointed region: the trials' backward must not free the caller's graph, nor add to what the

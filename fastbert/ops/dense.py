@@ -321,7 +321,7 @@ dispatch.register_variants("dense", "cpu", (
     dispatch.Variant("torch", _torch),
     dispatch.Variant("fastbert", own_linear, own_reasons),
     dispatch.Variant("onednn-rows", onednn_rows, onednn_rows_reasons),
-    dispatch.Variant("onednn+torch_backward", onednn_torch_backward, float32_training_reasons),
+    dispatch.Variant("onednn+torch_backward", onednn_torch_backward, float32_training_reasons, training_only=True),
 ), _bucket, weights=True)
 
 

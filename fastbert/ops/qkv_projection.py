@@ -72,7 +72,7 @@ dispatch.register_variants("qkv_projection", "cpu", (
         onednn_rows(x, weight, bias, "none", prepared, ONEDNN), num_heads), onednn_rows_reasons),
     dispatch.Variant("onednn+torch_backward", lambda x, weight, bias, num_heads, prepared: head_major(
         onednn_torch_backward(x, weight, bias, "none", prepared, ONEDNN_TORCH_BACKWARD), num_heads),
-        float32_training_reasons),
+        float32_training_reasons, training_only=True),
 ), _bucket, weights=True)
 
 
