@@ -8,7 +8,7 @@ import torch
 
 import fastbert
 from fastbert import dispatch, ops
-from fastbert.ops import _alloc
+from fastbert.ops import _alloc, reference
 from fastbert.ops._op import OpSpec, entry
 from fastbert.testing import assert_close
 
@@ -59,6 +59,37 @@ def test_fallback_logged_once_per_op_and_reason(caplog, restore_registry):
         assert len(fallbacks) == 1 and "fastbert._C was not built" in fallbacks[0].getMessage()
     else:
         assert len(fallbacks) == 1 and "dtype float32" in fallbacks[0].getMessage()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_fallback_computes_half_precision_statistics_and_scores_in_float32(dtype):
+    # A float16 model on a CPU runs on the fallback: its variance and scores in float16 overflowed (a feature 300
+    # from its row's mean, scores past 65504) and it returned NaN where transformers' float16 model was finite.
+    x, residual = torch.randn(6, 64), torch.randn(6, 64)
+    x[:, 5] += 300
+    weight, bias = torch.randn(64), torch.randn(64)
+    q, k, v = (torch.randn(2, 2, 8, 16) * s for s in (300, 300, 1))
+    lengths = torch.tensor([0, 5, 8], dtype=torch.int32)
+    cast = [t.to(dtype) for t in (x, residual, weight, bias, q, k, v)]
+    for t in cast:
+        t.requires_grad_()
+    xh, rh, wh, bh, qh, kh, vh = cast
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, 6:] = 0
+    with fastbert.use_backend("reference"), dispatch.record() as calls:
+        outs = {"add_layer_norm": ops.add_layer_norm(xh, rh, wh, bh, 1e-12),
+                "attention": ops.attention(qh, kh, vh, mask),
+                "varlen_attention": ops.varlen_attention(*(t[0].transpose(0, 1) for t in (qh, kh, vh)), lengths, 5)}
+        sum(o.float().sum() for o in outs.values()).backward()
+    assert {c.backend for c in calls} == {"reference"} and {c[0] for c in calls} == set(outs)
+    up = [t.detach().double() for t in cast]
+    truth = {"add_layer_norm": reference.add_layer_norm(*up[:4], 1e-12),
+             "attention": reference.attention(*up[4:], mask),
+             "varlen_attention": reference.varlen_attention(*(t[0].transpose(0, 1) for t in up[4:]), lengths, 5)}
+    for name, out in outs.items():
+        assert out.dtype == dtype
+        assert_close(out, truth[name], dtype, "elementwise" if name == "add_layer_norm" else "matmul", name=name)
+    assert all(bool(torch.isfinite(t.grad).all()) for t in cast)
 
 
 def test_forced_backend_that_cannot_serve_raises_with_reasons():

@@ -9,9 +9,6 @@ from fastbert.ops._op import OpSpec, by_device, needs_grad
 from fastbert.ops._seed import dropout_seed, seed_int
 from fastbert.ops.reference import QuantizedRows
 
-_HALVES = (torch.bfloat16, torch.float16)
-
-
 @dispatch.follows_autocast(in_float32=True)
 def add_layer_norm(x, residual, weight, bias, eps: float, dropout_p: float = 0.0, quantize_output: bool = False):
     """x, residual [..., N]; weight, bias [N]. Statistics over the last dimension. `quantize_output`
@@ -47,7 +44,7 @@ def add_layer_norm(x, residual, weight, bias, eps: float, dropout_p: float = 0.0
 
 def _in_dtype_of(x, weight, bias):
     """float32 weight and bias of bf16 / fp16 rows rounded to the rows' dtype; anything else as given."""
-    if isinstance(x, torch.Tensor) and x.dtype in _HALVES and all(
+    if isinstance(x, torch.Tensor) and x.dtype in reference.HALVES and all(
             isinstance(t, torch.Tensor) and t.dtype == torch.float32 for t in (weight, bias)):
         return weight.to(x.dtype), bias.to(x.dtype)
     return weight, bias
@@ -56,7 +53,7 @@ def _in_dtype_of(x, weight, bias):
 @dispatch.register("add_layer_norm", "reference",
                    dispatch.Support(("cpu", "cuda"), dispatch.FLOATS, quantized_output=True))
 def _reference(x, residual, weight, bias, eps, dropout_p, quantize_output):
-    out = reference.add_layer_norm(x, residual, weight, bias, eps, dropout_p)
+    out = reference.in_float32(reference.add_layer_norm)(x, residual, weight, bias, eps, dropout_p)
     if not quantize_output:
         return out
     q, scale, zero_point = reference.quantize_rows(out.reshape(-1, out.shape[-1]))

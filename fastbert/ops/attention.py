@@ -66,10 +66,10 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, dropout_p: float = 0.
 
 
 dispatch.register("attention", "reference", dispatch.Support(("cpu", "cuda"), dispatch.FLOATS, probabilities=True))(
-    reference.attention
+    reference.in_float32(reference.attention)
 )
 dispatch.register("varlen_attention", "reference", dispatch.Support(("cpu", "cuda"), dispatch.FLOATS))(
-    reference.varlen_attention
+    reference.in_float32(reference.varlen_attention)
 )
 
 

@@ -6,6 +6,7 @@ can serve a call.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -158,6 +159,24 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, scale=None)
         qi, ki, vi = (t[start:end].transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, s, d]
         outs.append(attention(qi, ki, vi, None, dropout_p, scale)[0].transpose(0, 1))  # [s, heads, d]
     return torch.cat(outs, dim=0) if outs else q + k + v  # no rows (T = 0), in the graph as torch.cat's would be
+
+
+HALVES = (torch.float16, torch.bfloat16)
+
+
+def in_float32(fn):
+    """`fn` run on float32 copies of its half-precision tensor arguments, its tensor outputs rounded to its
+    first argument's dtype: a naive op as the run-time fallback. Statistics and softmax in float16 overflow where
+    the kernels' (and torch's own LayerNorm and SDPA) don't: a variance past 65504 when a feature is 256 away
+    from its row's mean, a score past it, both NaN."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        dtype = args[0].dtype
+        if dtype not in HALVES:
+            return fn(*args, **kwargs)
+        out = fn(*(a.float() if isinstance(a, torch.Tensor) and a.dtype in HALVES else a for a in args), **kwargs)
+        return tuple(o.to(dtype) for o in out) if isinstance(out, tuple) else out.to(dtype)
+    return run
 
 
 def add_layer_norm(x, residual, weight, bias, eps, dropout_p=0.0):
