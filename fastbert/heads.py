@@ -148,12 +148,14 @@ class BertForMaskedLM(BertPreTrainedModel):
         self.init_weights(self.cls)  # the encoder initialized itself
         self.tie_weights()
 
-    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
-                output_hidden_states: bool | None = None, output_attentions: bool | None = None, return_dict: bool | None = None):
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
+                labels=None, output_hidden_states: bool | None = None, output_attentions: bool | None = None,
+                return_dict: bool | None = None):
         """labels [B, S]: token ids to predict, -100 where no prediction is scored."""
         refuse_skipped_hooks(self)  # the head's own layers too
         out = self.bert(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
-                        output_hidden_states=output_hidden_states, output_attentions=output_attentions, return_dict=True,
+                        inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states,
+                        output_attentions=output_attentions, return_dict=True,
                         allow_unpadding=not scores_pads(labels, attention_mask))
         logits = self.cls(out.last_hidden_state)  # [B, S, V]
         loss = None
@@ -172,14 +174,15 @@ class BertForPreTraining(BertPreTrainedModel):
         self.init_weights(self.cls)
         self.tie_weights()
 
-    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
-                next_sentence_label=None, output_hidden_states: bool | None = None, output_attentions: bool | None = None,
-                return_dict: bool | None = None):
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
+                labels=None, next_sentence_label=None, output_hidden_states: bool | None = None,
+                output_attentions: bool | None = None, return_dict: bool | None = None):
         """labels [B, S] as for BertForMaskedLM; next_sentence_label [B]: 0 = B follows A, 1 = random.
         The loss (MLM + NSP) needs both, as in transformers."""
         refuse_skipped_hooks(self)  # the head's own layers too
         out = self.bert(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
-                        output_hidden_states=output_hidden_states, output_attentions=output_attentions, return_dict=True,
+                        inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states,
+                        output_attentions=output_attentions, return_dict=True,
                         allow_unpadding=not scores_pads(labels, attention_mask))
         prediction_logits, seq_logits = self.cls(out.last_hidden_state, out.pooler_output)
         loss = None
@@ -209,12 +212,14 @@ class BertForSequenceClassification(_Classifier):
     def __init__(self, config: BertConfig):
         super().__init__(config, add_pooling_layer=True)
 
-    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
-                output_hidden_states: bool | None = None, output_attentions: bool | None = None, return_dict: bool | None = None):
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
+                labels=None, output_hidden_states: bool | None = None, output_attentions: bool | None = None,
+                return_dict: bool | None = None):
         """labels [B]: class ids (single label), floats (regression), or [B, L] floats (multi label)."""
         refuse_skipped_hooks(self)  # the head's own layers too
         out = self.bert(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
-                        output_hidden_states=output_hidden_states, output_attentions=output_attentions, return_dict=True)
+                        inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states,
+                        output_attentions=output_attentions, return_dict=True)
         logits = linear(self.classifier, self.dropout(out.pooler_output))  # [B, L]
         loss = self.loss(logits, labels) if labels is not None else None
         return _finish(SequenceClassifierOutput(loss, logits, out.hidden_states, out.attentions), return_dict, self.config)
@@ -243,12 +248,14 @@ class BertForTokenClassification(_Classifier):
     def __init__(self, config: BertConfig):
         super().__init__(config, add_pooling_layer=False)
 
-    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
-                output_hidden_states: bool | None = None, output_attentions: bool | None = None, return_dict: bool | None = None):
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
+                labels=None, output_hidden_states: bool | None = None, output_attentions: bool | None = None,
+                return_dict: bool | None = None):
         """labels [B, S]: class ids, -100 where no prediction is scored (pads, word-piece continuations)."""
         refuse_skipped_hooks(self)  # the head's own layers too
         out = self.bert(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
-                        output_hidden_states=output_hidden_states, output_attentions=output_attentions, return_dict=True,
+                        inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states,
+                        output_attentions=output_attentions, return_dict=True,
                         allow_unpadding=not scores_pads(labels, attention_mask))
         logits = linear(self.classifier, self.dropout(out.last_hidden_state))  # [B, S, L]
         loss = None
@@ -267,9 +274,9 @@ class BertForQuestionAnswering(BertPreTrainedModel):
         self.qa_outputs = nn.Linear(config.hidden_size, config.num_labels)
         self.init_weights(self.qa_outputs)
 
-    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, start_positions=None,
-                end_positions=None, output_hidden_states: bool | None = None, output_attentions: bool | None = None,
-                return_dict: bool | None = None):
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
+                start_positions=None, end_positions=None, output_hidden_states: bool | None = None,
+                output_attentions: bool | None = None, return_dict: bool | None = None):
         """start_positions, end_positions [B]: token index of the answer span; an index past the input
         is ignored. The loss needs both, as in transformers."""
         with_loss = start_positions is not None and end_positions is not None
@@ -277,7 +284,8 @@ class BertForQuestionAnswering(BertPreTrainedModel):
         # the pad tokens must run through the encoder as they do there.
         refuse_skipped_hooks(self)  # the head's own layers too
         out = self.bert(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
-                        output_hidden_states=output_hidden_states, output_attentions=output_attentions, return_dict=True,
+                        inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states,
+                        output_attentions=output_attentions, return_dict=True,
                         allow_unpadding=not with_loss)
         logits = linear(self.qa_outputs, out.last_hidden_state)  # [B, S, 2]
         start_logits, end_logits = (t.contiguous() for t in logits.unbind(-1))  # [B, S] each

@@ -95,11 +95,11 @@ class BertEmbeddings(nn.Module):
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def forward(self, input_ids, token_type_ids=None, position_ids=None):
-        s = input_ids.shape[1]
+    def forward(self, input_ids=None, token_type_ids=None, position_ids=None, inputs_embeds=None):
+        """`inputs_embeds` [B, S, H] in place of the word embeddings of `input_ids`, as in transformers."""
+        words = self.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds  # [B, S, H]
         if position_ids is None:  # made here, not kept in a buffer: optimize() shares HF's leaf modules
-            position_ids = torch.arange(s, device=input_ids.device)[None]
-        words = self.word_embeddings(input_ids)  # [B, S, H]
+            position_ids = torch.arange(words.shape[1], device=words.device)[None]
         if token_type_ids is None:
             types = self.token_type_embeddings.weight[0]  # type 0 everywhere, without a gather
         else:
@@ -521,24 +521,31 @@ class BertModel(BertPreTrainedModel):
         self.plans = dispatch.Plans()  # eager inference forwards, replayed without their checks (dispatch.py)
         self.init_weights()
 
-    def check_inputs(self, input_ids, attention_mask, token_type_ids, position_ids) -> None:
+    def check_inputs(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds=None) -> None:
         """Clear errors before any compute. Value checks (ids in range) run eagerly, not under compile."""
         refuse_skipped_hooks(self)
         if torch.jit.is_tracing():
             raise RuntimeError("torch.jit.trace (and torch.onnx.export with dynamo=False, which traces with it) "
                                "cannot record fastbert's kernels: use torch.compile or torch.export")
-        if not isinstance(input_ids, torch.Tensor):
-            raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be 2-D [batch, seq], got shape {tuple(input_ids.shape)}")
-        if input_ids.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"input_ids must be int64 or int32 token ids, got dtype {input_ids.dtype}")
-        b, s = input_ids.shape
-        if s == 0 or b == 0:
-            raise ValueError(f"input_ids is empty: shape {tuple(input_ids.shape)}")
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass input_ids or inputs_embeds" + (", not both" if input_ids is not None else ": neither was given"))
+        name, given = ("input_ids", input_ids) if inputs_embeds is None else ("inputs_embeds", inputs_embeds)
+        if not isinstance(given, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(given).__name__}")
         weights = self.embeddings.word_embeddings.weight
-        if input_ids.device != weights.device:
-            raise ValueError(f"input_ids is on {input_ids.device} but the model's parameters are on {weights.device}")
+        if inputs_embeds is None and input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be 2-D [batch, seq], got shape {tuple(input_ids.shape)}")
+        if inputs_embeds is None and input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"input_ids must be int64 or int32 token ids, got dtype {input_ids.dtype}")
+        if inputs_embeds is not None and (inputs_embeds.dim() != 3 or inputs_embeds.shape[2] != weights.shape[1]
+                                          or inputs_embeds.dtype != weights.dtype):
+            raise ValueError(f"inputs_embeds must be [batch, seq, hidden_size={weights.shape[1]}] in the model's "
+                             f"{weights.dtype}, got shape {tuple(inputs_embeds.shape)} of {inputs_embeds.dtype}")
+        b, s = given.shape[:2]
+        if s == 0 or b == 0:
+            raise ValueError(f"{name} is empty: shape {tuple(given.shape)}")
+        if given.device != weights.device:
+            raise ValueError(f"{name} is on {given.device} but the model's parameters are on {weights.device}")
         # The tables' sizes, not the config's: a table swapped in (set_input_embeddings on a transformers
         # model, which leaves config.vocab_size) serves every id it has rows for.
         tables = self.embeddings
@@ -546,33 +553,34 @@ class BertModel(BertPreTrainedModel):
         if s > positions and position_ids is None:  # given ids are checked by value below
             raise ValueError(f"sequence length {s} exceeds max_position_embeddings ({positions})"
                              " (pass position_ids for sequences packed in one row)")
-        for name, t in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids), ("position_ids", position_ids)):
+        shape_of = name if inputs_embeds is None else "inputs_embeds' first two dimensions"
+        for other, t in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids), ("position_ids", position_ids)):
             if t is None:
                 continue
             if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+                raise TypeError(f"{other} must be a torch.Tensor, got {type(t).__name__}")
             # ids shared by the batch too; sizes compared one by one (symbolic under torch.compile: a set of
             # shapes pinned B and S, one graph per shape)
-            rows_ok = t.shape[0] == b or (name != "attention_mask" and t.shape[0] == 1)
+            rows_ok = t.shape[0] == b or (other != "attention_mask" and t.shape[0] == 1)
             if t.dim() != 2 or not rows_ok or t.shape[1] != s:
-                raise ValueError(f"{name} must have the shape of input_ids {(b, s)}"
-                                 f"{'' if name == 'attention_mask' else f' or {(1, s)}'}, got {tuple(t.shape)}")
-            if t.device != input_ids.device:
-                raise ValueError(f"{name} is on {t.device} but input_ids is on {input_ids.device}")
-            if name != "attention_mask" and t.dtype not in (torch.int64, torch.int32):
-                raise ValueError(f"{name} must be int64 or int32, got dtype {t.dtype}")
-            if name == "attention_mask" and t.is_complex():
+                raise ValueError(f"{other} must have the shape of {shape_of} {(b, s)}"
+                                 f"{'' if other == 'attention_mask' else f' or {(1, s)}'}, got {tuple(t.shape)}")
+            if t.device != given.device:
+                raise ValueError(f"{other} is on {t.device} but {name} is on {given.device}")
+            if other != "attention_mask" and t.dtype not in (torch.int64, torch.int32):
+                raise ValueError(f"{other} must be int64 or int32, got dtype {t.dtype}")
+            if other == "attention_mask" and t.is_complex():
                 raise ValueError(f"attention_mask must be bool, integer or float 0/1, got dtype {t.dtype}")
         if torch.compiler.is_compiling():
             return
         limits = (("input_ids", input_ids, tables.word_embeddings.num_embeddings, "vocab_size"),
                   ("token_type_ids", token_type_ids, tables.token_type_embeddings.num_embeddings, "type_vocab_size"),
                   ("position_ids", position_ids, positions, "max_position_embeddings"))
-        for name, t, limit, field_name in limits:
+        for ids, t, limit, field_name in limits:
             if t is not None:
                 lo, hi = int(t.min()), int(t.max())
                 if lo < 0 or hi >= limit:
-                    raise ValueError(f"{name} must lie in [0, {field_name}={limit}), got values from {lo} to {hi}")
+                    raise ValueError(f"{ids} must lie in [0, {field_name}={limit}), got values from {lo} to {hi}")
         if attention_mask is not None:
             _checks.padding_mask_values(attention_mask)
 
@@ -584,21 +592,22 @@ class BertModel(BertPreTrainedModel):
                                  if layer.attention.self.training]) if self.training else 0.0
         return dispatch.prefers_varlen(x, self.config.head_dim, dropout_p) and padding.worth_unpadding(attention_mask)
 
-    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
                 output_hidden_states: bool | int | list[int] | None = None, output_attentions: bool | None = None,
                 return_dict: bool | None = None, allow_unpadding: bool = True):
         """Outputs as transformers' BertModel. With padding and a varlen kernel, the encoder runs on
         packed tokens and last_hidden_state (and hidden_states) hold zeros at pad positions;
         allow_unpadding=False runs pad tokens through the encoder, for callers that read those positions.
-        output_hidden_states: True, or (as transformers 5 takes it) an index or a list of them."""
-        self.check_inputs(input_ids, attention_mask, token_type_ids, position_ids)
+        output_hidden_states: True, or (as transformers 5 takes it) an index or a list of them.
+        inputs_embeds [B, S, H]: word embeddings given in place of input_ids (as transformers takes them)."""
+        self.check_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
         setting = self.config.output_setting  # None: config.json's, as in transformers
         output_hidden_states = setting("output_hidden_states", output_hidden_states)
         output_attentions, return_dict = setting("output_attentions", output_attentions), setting("return_dict", return_dict)
         selection, output_hidden_states = output_hidden_states, bool(output_hidden_states)  # 0: none, as there
         if attention_mask is not None:
             attention_mask = attention_mask.bool()  # [B, S], True = token
-        x = self.embeddings(input_ids, token_type_ids, position_ids)  # [B, S, H]
+        x = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)  # [B, S, H]
         packing = None
         if attention_mask is not None and allow_unpadding and not output_attentions and self.padding_free(x, attention_mask):
             packing = padding.packing(attention_mask)

@@ -56,6 +56,38 @@ def test_ids_shared_by_the_batch_match_transformers():
     assert_matches(a.last_hidden_state[real], b.last_hidden_state[real], name="last_hidden_state")
 
 
+def test_inputs_embeds_match_transformers_with_their_gradient():
+    """Word embeddings given in place of ids (prompt tuning, attribution, adversarial training), in the fifth
+    place as in transformers: the outputs and the gradient that reaches them."""
+    ours, theirs = twins(vocab_size=211, **CONFIGS["d32-1layer-gelu"])
+    ids, mask, types = padded_batch(211, LENGTHS)
+    embeds = theirs.embeddings.word_embeddings(ids).detach() + 0.1 * torch.randn(*ids.shape, 64)
+    real = mask.bool()
+    w = torch.randn(*ids.shape, 64)
+    outs, grads = [], []
+    for model in (ours, theirs):
+        given = embeds.clone().requires_grad_()
+        with fastbert.dispatch.record() as calls:
+            out = model(None, mask, types, None, given).last_hidden_state
+            (out * w)[real].sum().backward()
+        outs.append(out[real])
+        grads.append(given.grad[real])
+        if model is ours and not fastbert.dispatch.machine_reasons("cpu"):  # the kernels ran, forward and backward
+            assert {c.backend for c in calls} == {"cpu"} and ("add_layer_norm.backward", "cpu") in calls, list(calls)
+    assert_matches(outs[0], outs[1], name="last_hidden_state")
+    assert_matches(grads[0], grads[1], name="grad of inputs_embeds")
+    head = fastbert.BertForSequenceClassification(ours.config).eval()
+    words = head.bert.embeddings.word_embeddings(ids).detach()
+    assert_matches(head(attention_mask=mask, inputs_embeds=words).logits, head(ids, attention_mask=mask).logits,
+                   name="logits of the ids' own embeddings")
+    for bad, message in ((dict(input_ids=ids, inputs_embeds=embeds), "not both"), ({}, "neither was given"),
+                         (dict(inputs_embeds=embeds.double()), "in the model's torch.float32, got shape .* of torch.float64"),
+                         (dict(inputs_embeds=embeds[..., :8]), "hidden_size=64"),
+                         (dict(inputs_embeds=embeds, attention_mask=mask[:, :3]), "the shape of inputs_embeds' first two")):
+        with pytest.raises(ValueError, match=message):
+            ours(**bad)
+
+
 def test_a_row_without_tokens_and_rows_past_the_positions_match_transformers():
     """A row whose mask is all 0 attends no position, as in transformers' default (sdpa: its attention
     outputs are zeros; eager's are a uniform average); a row longer than max_position_embeddings runs

@@ -199,15 +199,27 @@ def test_unsupported_models_raise_and_stay_untouched():
         fastbert.optimize(gpt)
 
 
-def test_arguments_fastbert_does_not_serve_go_to_transformers():
+def test_inputs_embeds_run_on_fastbert_and_other_arguments_on_transformers():
     hf = transformers.BertModel(transformers.BertConfig(**SMALL)).eval()
     plain = copy.deepcopy(hf)
     fastbert.optimize(hf)
-    embeds = torch.randn(2, 5, 64)
+    ids, mask, _ = padded_batch(120, [5, 3])
+    embeds, w = torch.randn(2, 5, 64), torch.randn(2, 5, 64)
+    outs, grads = [], []
+    for model in (hf, plain):
+        given = embeds.clone().requires_grad_()
+        with fastbert.dispatch.record() as calls:
+            out = model(inputs_embeds=given, attention_mask=mask).last_hidden_state[mask.bool()]
+            (out * w[mask.bool()]).sum().backward()  # (a plain sum of LayerNorm's rows has no gradient)
+        assert ran_fastbert(calls) == (model is hf) or fastbert.dispatch.machine_reasons("cpu")
+        outs.append(out)
+        grads.append(given.grad[mask.bool()])
+    assert_matches(outs[0], outs[1], name="last_hidden_state")
+    assert_matches(grads[0], grads[1], name="grad of inputs_embeds")
     with fastbert.dispatch.record() as calls:
-        a = hf(inputs_embeds=embeds).last_hidden_state
+        a = hf(ids, attention_mask=mask, use_cache=True).last_hidden_state  # (an encoder's cache: transformers')
     assert not ran_fastbert(calls)
-    assert_matches(a, plain(inputs_embeds=embeds).last_hidden_state, name="last_hidden_state")
+    assert_matches(a, plain(ids, attention_mask=mask, use_cache=True).last_hidden_state, name="last_hidden_state")
 
 
 @pytest.mark.parametrize("kind", ["mask of 2 and 0.5", "mask of -1", "1-D ids"])

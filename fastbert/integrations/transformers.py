@@ -20,10 +20,10 @@ from fastbert.heads import scores_pads
 from fastbert.model import MODULE_HOOKS, BertModel, BertPreTrainedModel
 from fastbert.quantization import quantize as fastbert_quantize
 
-# HF BertModel.forward arguments fastbert's encoder serves; anything else (inputs_embeds, cross
-# attention, caches) goes to transformers' own forward. num_items_in_batch is the loss's (transformers'
-# Trainer passes it to every call of a model whose forward takes **kwargs): the encoder passes it on unread.
-_SERVED = {"input_ids", "attention_mask", "token_type_ids", "position_ids", "output_hidden_states",
+# HF BertModel.forward arguments fastbert's encoder serves; anything else (cross attention, caches) goes to
+# transformers' own forward. num_items_in_batch is the loss's (transformers' Trainer passes it to every call
+# of a model whose forward takes **kwargs): the encoder passes it on unread.
+_SERVED = {"input_ids", "attention_mask", "token_type_ids", "position_ids", "inputs_embeds", "output_hidden_states",
            "output_attentions", "return_dict", "num_items_in_batch"}
 
 
@@ -333,8 +333,11 @@ class OptimizedForward:
         hf_bert = self.hf_bert
         passed = {k for k, v in kwargs.items() if v is not None and v is not False}
         # transformers' forward serves what fastbert's does not: other arguments, 3-D / 4-D masks.
-        ours = None
-        if input_ids is not None and not args and not passed - _SERVED and (attention_mask is None or attention_mask.dim() == 2):
+        ours, embeds = None, kwargs.get("inputs_embeds")
+        if ((input_ids is None) != (embeds is None) and not args and not passed - _SERVED
+                and (attention_mask is None or attention_mask.dim() == 2) and (embeds is None or (
+                    isinstance(embeds, torch.Tensor) and embeds.dim() == 3
+                    and embeds.dtype == hf_bert.embeddings.word_embeddings.weight.dtype))):
             ours = _encoder_for_now(hf_bert)
         if ours is not None and (skipped := _skipped(hf_bert)):
             warnings.warn(f"fastbert.optimize: {skipped}, which fastbert's kernels would skip; transformers' own "
@@ -365,7 +368,7 @@ class OptimizedForward:
         token_type_ids, position_ids = (t.unsqueeze(0) if isinstance(t, torch.Tensor) and t.dim() == 1 else t
                                         for t in (token_type_ids, position_ids))
         out = ours(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
-                   output_hidden_states=raw_setting("output_hidden_states", False),
+                   inputs_embeds=embeds, output_hidden_states=raw_setting("output_hidden_states", False),
                    output_attentions=setting("output_attentions", False), return_dict=True, allow_unpadding=not padded)
         result = BaseModelOutputWithPoolingAndCrossAttentions(
             last_hidden_state=out.last_hidden_state, pooler_output=out.pooler_output,
