@@ -1,4 +1,5 @@
 # Two commands on a fresh machine: `make demo` (set up + the main job) and `make test` (set up + all tests).
+.DEFAULT_GOAL := setup
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python

@@ -93,7 +93,8 @@ def main(argv=None) -> int:
     encode.add_argument("--output", required=True, help=".npy or .parquet; shards go to OUTPUT.parts until the end")
     encode.add_argument("--field", default=None, help="the .jsonl field holding the text")
     encode.add_argument("--column", default=None, help="the .parquet column holding the text")
-    encode.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "int8"], help="the model's precision")
+    encode.add_argument("--dtype", default=None, choices=["fp32", "bf16", "int8"],
+                        help="the model's precision (default: as saved: fp32, or int8 for a directory saved quantized)")
     encode.add_argument("--batch-tokens", type=int, default=16384, help="token budget of a batch (batch x longest)")
     encode.add_argument("--pooling", default=None, choices=[p for p in POOLINGS if p != "none"],
                         help="how token states become one vector (default: a sentence-transformers directory's, else mean)")

@@ -55,6 +55,17 @@ class BertConfig:
         return value if value is not None else self.extra.get(name, name == "return_dict")
 
     @property
+    def id2label(self) -> dict[int, str]:
+        """Class names by id, as transformers gives them: int keys (config.json's are strings), LABEL_i unnamed."""
+        named = self.extra.get("id2label") or {}
+        return {int(k): v for k, v in named.items()} or {i: f"LABEL_{i}" for i in range(self.num_labels)}
+
+    @property
+    def label2id(self) -> dict[str, int]:
+        named = self.extra.get("label2id")
+        return {k: int(v) for k, v in named.items()} if named else {name: i for i, name in self.id2label.items()}
+
+    @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 

@@ -683,8 +683,14 @@ def test_a_directory_saved_int8_is_loaded_as_int8_only(tmp_path, tiny_bert_dir):
     assert torch.equal(fastbert.encode(str(tmp_path), SENTENCES[:5]), fastbert.encode(loaded, SENTENCES[:5], tokenizer))
     with torch.inference_mode():
         ids = torch.randint(1000, 2000, (2, 7))
-        assert_matches(loaded(ids).last_hidden_state.float(), model.to(loaded.embeddings.word_embeddings.weight.dtype)(ids)
-                       .last_hidden_state.float(), name="int8 model")
+        assert_matches(loaded(ids).last_hidden_state.float(), model.to(loaded.embeddings.word_embeddings.weight.dtype)
+                       (ids).last_hidden_state.float(), name="int8 model")
+    # So does the command without --dtype (it refused: "its dtype is int8, not fp32").
+    texts = tmp_path / "in.txt"
+    texts.write_text("\n".join(SENTENCES[:5]) + "\n", encoding="utf-8")
+    done = cli("--input", str(texts), "--output", str(tmp_path / "out.npy"), model=str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert torch.equal(torch.from_numpy(np.load(tmp_path / "out.npy")), fastbert.encode(str(tmp_path), SENTENCES[:5]))
 
 
 def test_a_run_whose_manifest_predates_a_recipe_field_resumes(tmp_path, tiny_bert_dir, capfd):

@@ -337,8 +337,12 @@ def test_num_labels_and_problem_type_round_trip_with_transformers(tmp_path):
     transformers.BertConfig(id2label={0: "neg", 1: "neutral", 2: "pos", 3: "mixed"}).save_pretrained(tmp_path)
     loaded = fastbert.BertConfig.from_pretrained(tmp_path)
     assert loaded.num_labels == 4 and loaded.extra["id2label"]["2"] == "pos"
+    # As transformers reads them: ids as ints (config.json's keys are strings), unnamed classes LABEL_i.
+    assert loaded.id2label == transformers.BertConfig.from_pretrained(tmp_path).id2label
+    assert loaded.id2label[2] == "pos" and loaded.label2id["pos"] == 2
     assert fastbert.BertConfig.from_dict(loaded.to_dict()) == loaded
     assert fastbert.BertConfig.tiny().num_labels == 2  # transformers' default
+    assert fastbert.BertConfig.tiny().id2label == transformers.BertConfig().id2label == {0: "LABEL_0", 1: "LABEL_1"}
 
 
 @pytest.mark.parametrize("fields,message", [

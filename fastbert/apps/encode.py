@@ -207,12 +207,14 @@ def _assemble(parts: str, count: int, out: str, width: int) -> int:
     return rows
 
 
-def run(model_dir: str, input_path: str, output: str, dtype: str = "fp32", batch_tokens: int = 16384,
+def run(model_dir: str, input_path: str, output: str, dtype: str | None = None, batch_tokens: int = 16384,
         field: str | None = None, column: str | None = None, pooling: str | None = None, normalize: bool | None = None,
         max_length: int | None = None, truncate: bool = False, shard_texts: int = 4096, restart: bool = False,
         progress: bool = True) -> int:
-    """Embed every text of `input_path` into `output`; returns the number of texts."""
+    """Embed every text of `input_path` into `output`; returns the number of texts. dtype None: as saved (fp32,
+    or int8 for a directory saved quantized), as fastbert.encode.load takes it."""
     from fastbert.encode import TextTooLong, default_max_length, encode_windows, load, recipe_of
+    from fastbert.quantization import is_quantized
 
     if not output.endswith((".npy", ".parquet")):
         raise InputError(f"--output must end in .npy or .parquet, got {output}")
@@ -232,6 +234,7 @@ def run(model_dir: str, input_path: str, output: str, dtype: str = "fp32", batch
         model, tokenizer = load(model_dir, dtype)
     except (ValueError, OSError) as e:  # OSError: a file the model directory lacks (config.json, weights)
         raise InputError(str(e)) from None
+    dtype = dtype or ("int8" if is_quantized(model) else "fp32")  # (a resume names it or not: the same run)
     limit = model.config.max_position_embeddings
     if max_length is None:
         max_length = default_max_length(model, tokenizer, model_dir)

@@ -7,9 +7,12 @@ import os
 
 
 def sha256(path: str) -> str:
-    """The hex digest of the file's bytes (read whole, ~1.5 GB/s)."""
+    """The hex digest of the file's bytes (in 1 MiB reads: hashlib.file_digest is Python 3.11's)."""
+    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def sync(path: str) -> None:
