@@ -753,16 +753,17 @@ def _choose_variant(op: str, backend: str, usable: tuple[Variant, ...], key, arg
     if len(usable) == 1 or key is None or torch.compiler.is_compiling() or not tuning.enabled():
         return usable[0]
     training = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
-    if not training:
-        usable = tuple(v for v in usable if not v.training_only) or usable
-        if len(usable) == 1:
-            return usable[0]
     table = _VARIANTS[(op, backend)]
     bucket = table.bucket(*args)
     pick = (key, bucket, training, torch.get_num_threads())
     picked = _picked.get(pick)
     if picked is not None:
         return picked
+    if not training:
+        usable = tuple(v for v in usable if not v.training_only) or usable
+        if len(usable) == 1:
+            picked = _picked[pick] = usable[0]
+            return picked
     with _measuring:
         picked = _picked.get(pick)  # another thread's, measured while this one waited
         if picked is None:
