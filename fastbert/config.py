@@ -60,10 +60,20 @@ class BertConfig:
         named = self.extra.get("id2label") or {}
         return {int(k): v for k, v in named.items()} or {i: f"LABEL_{i}" for i in range(self.num_labels)}
 
+    @id2label.setter
+    def id2label(self, names: dict[int, str]) -> None:  # as config.json keeps them; num_labels follows
+        self.extra["id2label"] = {str(int(i)): name for i, name in names.items()}
+        self.extra["label2id"] = {name: int(i) for i, name in names.items()}
+        self.num_labels = len(names)
+
     @property
     def label2id(self) -> dict[str, int]:
         named = self.extra.get("label2id")
         return {k: int(v) for k, v in named.items()} if named else {name: i for i, name in self.id2label.items()}
+
+    @label2id.setter
+    def label2id(self, ids: dict[str, int]) -> None:
+        self.extra["label2id"] = {name: int(i) for name, i in ids.items()}
 
     @property
     def head_dim(self) -> int:

@@ -97,7 +97,9 @@ class BertEmbeddings(nn.Module):
 
     def forward(self, input_ids=None, token_type_ids=None, position_ids=None, inputs_embeds=None):
         """`inputs_embeds` [B, S, H] in place of the word embeddings of `input_ids`, as in transformers."""
-        words = self.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds  # [B, S, H]
+        # Given embeddings in the tables' dtype (bf16 ones of an fp32 model: transformers' sums promote them).
+        words = (self.word_embeddings(input_ids) if inputs_embeds is None
+                 else inputs_embeds.to(self.word_embeddings.weight.dtype))  # [B, S, H]
         if position_ids is None:  # made here, not kept in a buffer: optimize() shares HF's leaf modules
             position_ids = torch.arange(words.shape[1], device=words.device)[None]
         if token_type_ids is None:
@@ -109,6 +111,11 @@ class BertEmbeddings(nn.Module):
         x = ops.add_layer_norm(words, (positions + types).expand_as(words), self.LayerNorm.weight,
                                self.LayerNorm.bias, self.LayerNorm.eps)
         return self.dropout(x)
+
+
+def embeds_fit(inputs_embeds: torch.Tensor, table: torch.Tensor) -> bool:
+    """Given word embeddings the model takes: floats its tables' dtype holds (bf16 ones for an fp32 model)."""
+    return inputs_embeds.is_floating_point() and torch.promote_types(inputs_embeds.dtype, table.dtype) == table.dtype
 
 
 def takes_rows(module) -> bool:
@@ -527,8 +534,12 @@ class BertModel(BertPreTrainedModel):
         if torch.jit.is_tracing():
             raise RuntimeError("torch.jit.trace (and torch.onnx.export with dynamo=False, which traces with it) "
                                "cannot record fastbert's kernels: use torch.compile or torch.export")
+        order = " (inputs_embeds is the fifth argument, as in transformers: pass the others by name)"
+        if inputs_embeds is not None and not isinstance(inputs_embeds, torch.Tensor):
+            raise TypeError(f"inputs_embeds must be a torch.Tensor, got {type(inputs_embeds).__name__}{order}")
         if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass input_ids or inputs_embeds" + (", not both" if input_ids is not None else ": neither was given"))
+            raise ValueError("pass input_ids or inputs_embeds" + (f", not both{order}" if input_ids is not None
+                                                                  else ": neither was given"))
         name, given = ("input_ids", input_ids) if inputs_embeds is None else ("inputs_embeds", inputs_embeds)
         if not isinstance(given, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(given).__name__}")
@@ -538,9 +549,10 @@ class BertModel(BertPreTrainedModel):
         if inputs_embeds is None and input_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"input_ids must be int64 or int32 token ids, got dtype {input_ids.dtype}")
         if inputs_embeds is not None and (inputs_embeds.dim() != 3 or inputs_embeds.shape[2] != weights.shape[1]
-                                          or inputs_embeds.dtype != weights.dtype):
-            raise ValueError(f"inputs_embeds must be [batch, seq, hidden_size={weights.shape[1]}] in the model's "
-                             f"{weights.dtype}, got shape {tuple(inputs_embeds.shape)} of {inputs_embeds.dtype}")
+                                          or not embeds_fit(inputs_embeds, weights)):
+            raise ValueError(f"inputs_embeds must be [batch, seq, hidden_size={weights.shape[1]}] floats of the "
+                             f"model's {weights.dtype} or narrower, got shape {tuple(inputs_embeds.shape)} of "
+                             f"{inputs_embeds.dtype}")
         b, s = given.shape[:2]
         if s == 0 or b == 0:
             raise ValueError(f"{name} is empty: shape {tuple(given.shape)}")

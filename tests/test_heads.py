@@ -115,6 +115,13 @@ def test_matches_transformers(case):
     b.loss.backward()
     assert_same_gradients(ours, theirs)
 
+    # Word embeddings in place of ids, in transformers' fifth place (before the labels).
+    embeds = theirs.bert.embeddings.word_embeddings(ids).detach()
+    a = ours(None, mask, types, None, embeds, **labels)
+    b = theirs(None, mask, types, None, embeds, **labels)
+    assert_same_logits(a, b, mask)
+    assert_matches(a.loss, b.loss, name="loss of inputs_embeds")
+
 
 @pytest.mark.parametrize("model_class", ["BertForPreTraining", "BertForTokenClassification"])
 def test_hidden_states_and_attentions_pass_through(model_class):

@@ -81,11 +81,17 @@ def test_inputs_embeds_match_transformers_with_their_gradient():
     assert_matches(head(attention_mask=mask, inputs_embeds=words).logits, head(ids, attention_mask=mask).logits,
                    name="logits of the ids' own embeddings")
     for bad, message in ((dict(input_ids=ids, inputs_embeds=embeds), "not both"), ({}, "neither was given"),
-                         (dict(inputs_embeds=embeds.double()), "in the model's torch.float32, got shape .* of torch.float64"),
+                         (dict(inputs_embeds=embeds.double()), "of the model's torch.float32 or narrower, got shape .* of torch.float64"),
                          (dict(inputs_embeds=embeds[..., :8]), "hidden_size=64"),
                          (dict(inputs_embeds=embeds, attention_mask=mask[:, :3]), "the shape of inputs_embeds' first two")):
         with pytest.raises(ValueError, match=message):
             ours(**bad)
+    with pytest.raises(TypeError, match="inputs_embeds is the fifth argument, as in transformers"):
+        ours(ids, mask, None, None, True)  # output_hidden_states where it stood before
+    # Narrower floats are taken in the tables' dtype, as transformers' sums promote them.
+    narrow = embeds.bfloat16()
+    assert torch.equal(ours(inputs_embeds=narrow, attention_mask=mask).last_hidden_state,
+                       ours(inputs_embeds=narrow.float(), attention_mask=mask).last_hidden_state)
 
 
 def test_a_row_without_tokens_and_rows_past_the_positions_match_transformers():

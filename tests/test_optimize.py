@@ -216,10 +216,18 @@ def test_inputs_embeds_run_on_fastbert_and_other_arguments_on_transformers():
         grads.append(given.grad[mask.bool()])
     assert_matches(outs[0], outs[1], name="last_hidden_state")
     assert_matches(grads[0], grads[1], name="grad of inputs_embeds")
+    narrow = embeds.bfloat16()  # transformers' sums promote them to the tables' float32
+    assert_matches(hf(inputs_embeds=narrow, attention_mask=mask).last_hidden_state[mask.bool()],
+                   plain(inputs_embeds=narrow, attention_mask=mask).last_hidden_state[mask.bool()], name="bf16 embeds")
     with fastbert.dispatch.record() as calls:
         a = hf(ids, attention_mask=mask, use_cache=True).last_hidden_state  # (an encoder's cache: transformers')
     assert not ran_fastbert(calls)
     assert_matches(a, plain(ids, attention_mask=mask, use_cache=True).last_hidden_state, name="last_hidden_state")
+    # An input embedding without a table (a factorized one): transformers runs the embeddings given.
+    for model in (hf, plain):
+        model.set_input_embeddings(torch.nn.Sequential(torch.nn.Embedding(120, 16), torch.nn.Linear(16, 64)))
+    assert_matches(hf(inputs_embeds=embeds).last_hidden_state, plain(inputs_embeds=embeds).last_hidden_state,
+                   name="last_hidden_state")
 
 
 @pytest.mark.parametrize("kind", ["mask of 2 and 0.5", "mask of -1", "1-D ids"])

@@ -283,6 +283,12 @@ def test_a_variant_that_differs_only_in_its_backward_is_timed_for_training_only(
         assert ran == ["fast+backward"]
 
 
+def test_the_variants_whose_forward_is_another_ones_are_training_only():
+    for op in ("dense", "qkv_projection"):
+        flagged = {v.name for v in dispatch._VARIANTS[(op, "cpu")].options if v.training_only}
+        assert flagged == {"onednn+torch_backward"}, (op, flagged)
+
+
 def test_measuring_a_training_call_leaves_the_callers_graph_whole(tuned):
     """A weight that is also an ancestor of the input (a decoder tied to the embeddings), and a call inside
     a checkpointed region: the trials' backward must not free the caller's graph, nor add to what the

@@ -19,10 +19,11 @@ import torch
 
 class Embedder:
     """Adds `output_column` (float32 [rows, hidden]) to each batch: fastbert.encode of `column`. The model
-    is an HF BERT directory every worker can read; dtype "fp32", "bf16" or "int8"; `threads` sets torch's
+    is an HF BERT directory every worker can read; dtype "fp32", "bf16" or "int8" (None: as saved, fp32 or
+    int8); `threads` sets torch's
     intra-op threads per actor (default: torch's choice, which Ray's num_cpus bounds)."""
 
-    def __init__(self, model: str, column: str = "text", output_column: str = "embedding", dtype: str = "fp32",
+    def __init__(self, model: str, column: str = "text", output_column: str = "embedding", dtype: str | None = None,
                  pooling: str | None = None, normalize: bool | None = None, batch_tokens: int = 16384,
                  max_length: int | None = None, truncate: bool = True, threads: int | None = None):
         from fastbert.encode import default_max_length, load, recipe_of

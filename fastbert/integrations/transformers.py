@@ -17,7 +17,7 @@ from torch.utils.hooks import RemovableHandle
 
 from fastbert.config import HIDDEN_ACTS, BertConfig
 from fastbert.heads import scores_pads
-from fastbert.model import MODULE_HOOKS, BertModel, BertPreTrainedModel
+from fastbert.model import MODULE_HOOKS, BertModel, BertPreTrainedModel, embeds_fit
 from fastbert.quantization import quantize as fastbert_quantize
 
 # HF BertModel.forward arguments fastbert's encoder serves; anything else (cross attention, caches) goes to
@@ -336,8 +336,9 @@ class OptimizedForward:
         ours, embeds = None, kwargs.get("inputs_embeds")
         if ((input_ids is None) != (embeds is None) and not args and not passed - _SERVED
                 and (attention_mask is None or attention_mask.dim() == 2) and (embeds is None or (
-                    isinstance(embeds, torch.Tensor) and embeds.dim() == 3
-                    and embeds.dtype == hf_bert.embeddings.word_embeddings.weight.dtype))):
+                    isinstance(embeds, torch.Tensor) and embeds.dim() == 3 and isinstance(
+                        table := getattr(hf_bert.embeddings.word_embeddings, "weight", None), torch.Tensor)
+                    and embeds_fit(embeds, table)))):
             ours = _encoder_for_now(hf_bert)
         if ours is not None and (skipped := _skipped(hf_bert)):
             warnings.warn(f"fastbert.optimize: {skipped}, which fastbert's kernels would skip; transformers' own "

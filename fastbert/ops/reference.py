@@ -1,8 +1,9 @@
 """The naive ops: ground truth for every parity test and the fallback at run time.
 
 Each is what a tutorial would write, in plain PyTorch, differentiable by autograd. Tests run them on
-float64 copies of the inputs to get the truth; dispatch runs them in the input dtype when no kernel
-can serve a call.
+float64 copies of the inputs to get the truth, and in the input dtype as the naive bound; dispatch runs them
+when no kernel can serve a call (LayerNorm and attention on float32 copies of half-precision inputs:
+in_float32).
 """
 from __future__ import annotations
 
