@@ -107,7 +107,9 @@ if __name__ == "__main__":  # pip and setuptools run it so; tests/test_build.py 
         package_dir={"fastbert.kernels": "kernels"},
         ext_modules=ext_modules,
         cmdclass=cmdclass,
-        install_requires=["torch>=2.4", "safetensors"],
+        # 2.6: the C++ calls ATen's bfloat16 brgemm and runtime-size transposes, and the dispatcher's str is
+        # std::string_view (torch 2.4.1 and 2.5.1 fail to compile it: README, "Quick start").
+        install_requires=["torch>=2.6", "safetensors"],
         extras_require={"triton": ["triton>=3.0"], "hf": ["transformers", "tokenizers"], "ray": ["ray[data]"],
                         "parquet": ["pyarrow"]},
     )
