@@ -265,77 +265,38 @@ void run(const Problem<T>& p, const gemm_driver::Kernel<TileFn<T>, kRows, kBlock
 }
 
 #if defined(__x86_64__)
-// bfloat16 on AMX. Tasks: (a share of the rows) x (a group of 32-column panels), a thread's tasks sharing
-// its rows. A block of 32 rows meets a panel: the sums over whole 32-value steps of k on amx::tile_block
-// (x's rows read in place, a partial strip of 16 rows from a zero-padded copy; a packed block holds a step's
-// 16 pair rows x 16 columns as 1 KB), the rest of k on the AVX-512 tiles, then run's epilogue while the tile
-// is in L1. Rows are shared out where each thread gets 128 or more, else panels: with fewer rows each thread
-// reads only its part of the weights. With weights not in cache (BERT-base's four GEMMs, 12 layers'
-// weights in turn) these shares, the order below and the fetch ahead took 128 rows from 16.8 ms to 12.3
-// (oneDNN 14.4-14.8) and 512 rows from 45.8 to 41.4 (oneDNN 49.6): benchmarks/RESULTS.md.
+// bfloat16 on AMX, tasks as amx::Schedule shares them out. A block of 32 rows meets a panel: the sums over
+// whole 32-value steps of k on amx::tile_block (x's rows read in place, a partial strip of 16 rows from a
+// zero-padded copy; a packed block holds a step's 16 pair rows x 16 columns as 1 KB), the rest of k on the
+// AVX-512 tiles, then run's epilogue while the tile is in L1.
 inline void run_amx(const Problem<c10::BFloat16>& p) {
   using T = c10::BFloat16;
   static const auto tail = gemm_driver::make_kernel<TileFn<T>, Tiles<T, true>::template Tile, 6, 2>();
-  static const int64_t l2 = [] {
-    const long bytes = sysconf(_SC_LEVEL2_CACHE_SIZE);
-    return bytes > 0 ? int64_t(bytes) : int64_t(1) << 20;
-  }();
   const int64_t steps = p.k / 32, stride = p.block_stride() / kPack<T>;  // stride: words from block to block
   const uint32_t* packed = reinterpret_cast<const uint32_t*>(p.packed);
-  const int64_t threads = at::get_num_threads(), panels = (blocks(p.n) + 1) / 2;
-  const int64_t row_shares = p.m >= 128 * threads ? threads : 1;
-  const int64_t share = (p.m + row_shares - 1) / row_shares;
-  // Where a task's rows fit in half of L2 they stay there while the task's panels pass, each panel meeting
-  // all of the rows in turn (from L1 after the first 32), the next one fetched meanwhile; then one group
-  // of panels a thread. Else each 32 rows meet a group of panels that stays in L2.
-  const bool panels_outer = share * p.k * 2 <= l2 / 2;
-  int64_t groups = panels_outer ? 1 : std::max<int64_t>(1, (panels * 32 * p.k * 2 + l2 / 4 - 1) / (l2 / 4));
-  if (row_shares == 1) groups = (std::max(groups, threads) + threads - 1) / threads * threads;
-  groups = std::min(groups, panels);
-  const int64_t per_group = (panels + groups - 1) / groups;
-  at::parallel_for(0, row_shares * groups, 1, [&](int64_t begin, int64_t end) {
+  const amx::Schedule schedule(p.m, blocks(p.n), p.k * sizeof(T));
+  at::parallel_for(0, schedule.tasks(), 1, [&](int64_t begin, int64_t end) {
     amx::Scope tiles;
     alignas(64) float sums[32 * 32];
     std::vector<T> edge;  // a partial strip's rows, zero-padded to 16
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t row0 = task / groups * share, row_end = std::min(p.m, row0 + share);
-      const int64_t panel0 = task % groups * per_group, panel_end = std::min(panels, panel0 + per_group);
-      const int64_t last = row0 + (row_end - row0 - 1) / 32 * 32;  // the last block of rows
-      if ((row_end - last) % 16 != 0 && steps > 0) {  // its last strip is partial: both strips from a padded copy
-        edge.assign(32 * steps * 32, T(0.f));
-        for (int64_t i = 0; i < row_end - last; ++i)
-          std::copy(p.x + (last + i) * p.k, p.x + (last + i) * p.k + 32 * steps, edge.data() + i * 32 * steps);
-      }
-      // Rows [r, r + 32) x panel: the tiles' sums, the rest of k, the epilogue.
-      const auto block_of = [&](int64_t r, int64_t panel) {
+      const int64_t row_end = schedule.row_end(task), last = schedule.last(task);
+      const T* padded = amx::padded_last_block(p.x, p.k, last, row_end, 32 * steps, edge);
+      // Rows [r, r + 32) x a panel: the tiles' sums, the rest of k, the epilogue.
+      schedule.visit(task, stride * 4, steps, [&](int64_t r, int64_t block, int64_t ahead, int64_t ahead_bytes) {
         const int64_t rows = std::min<int64_t>(32, row_end - r), strips = (rows + 15) / 16;
         const T* a[2] = {p.x + r * p.k, strips > 1 ? p.x + (r + 16) * p.k : nullptr};
         int64_t lda = p.k * 2;
-        if (r == last && rows % 16 != 0 && steps > 0)
-          a[0] = edge.data(), a[1] = edge.data() + 16 * 32 * steps, lda = 32 * steps * 2;
-        const int64_t block = 2 * panel, nb = std::min<int64_t>(2, blocks(p.n) - block);
-        // While a panel meets the task's rows, the next one (2 whole blocks) is fetched toward L2: spread
-        // over its blocks of rows where the panel passes over all of them (each block fetches its slice;
-        // all with the first took 1.13x the time, 128 rows, weights from memory), else all with the first.
-        const int64_t slices = panels_outer ? (row_end - row0 + 31) / 32 : 1, slice = (r - row0) / 32;
-        const bool fetch = slice < slices && panel + 1 < panel_end && block + 3 < blocks(p.n);
-        const int64_t slice_bytes = (1024 / slices + 63) / 64 * 64;  // each step's share of a 1 KB block step
-        const uint32_t* ahead = fetch ? packed + (block + 2) * stride + slice * steps * slice_bytes / 4 : nullptr;
+        if (r == last && padded != nullptr) a[0] = padded, a[1] = padded + 16 * 32 * steps, lda = 32 * steps * 2;
+        const int64_t nb = std::min<int64_t>(2, blocks(p.n) - block);
         if (steps > 0) amx::tile_block<false>(strips, nb, a, lda, packed + block * stride, 256, stride, 64, steps,
-                                              sums, 32 * 4, ahead, slice_bytes);
+                                              sums, 32 * 4, ahead < 0 ? nullptr : packed + ahead / 4, ahead_bytes);
         else std::fill(sums, sums + 32 * 32, 0.f);  // (k 0: the bias alone)
         for (int64_t i = 0; i < rows && 32 * steps < p.k; i += 6)  // k past the whole steps, added to (or,
           tail.table[std::min<int64_t>(6, rows - i) - 1][nb - 1](  // where there are none, written to) the sums
               p, r + i, block, 32 * steps, p.k, sums + i * 32, 32);
         epilogue(p, r, rows, block * kCols, std::min(nb * kCols, p.n - block * kCols), sums, 32);
-      };
-      if (panels_outer) {
-        for (int64_t panel = panel0; panel < panel_end; ++panel)
-          for (int64_t r = row0; r < row_end; r += 32) block_of(r, panel);
-      } else {
-        for (int64_t r = row0; r < row_end; r += 32)
-          for (int64_t panel = panel0; panel < panel_end; ++panel) block_of(r, panel);
-      }
+      });
     }
   });
 }

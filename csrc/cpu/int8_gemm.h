@@ -9,6 +9,8 @@
 //
 // ISA-specific code carries __attribute__((target(...))) per function instead of global -m flags: the
 // file builds on a machine with AVX2 only, or without AVX, and the runtime check picks what the CPU has.
+// On AMX-INT8 the packing is a tile's B as it stands: a step of 64 k values is 16 of the 64-byte groups, 1 KB
+// a block, one tdpbusd multiplying 16 rows of q against it (run_amx).
 // The VNNI paths use vpdpbusd: it adds 4 u8 x s8 products into int32 without intermediate saturation
 // (vpmaddubsw would saturate 255 * 127 * 2 to int16, which is what oneDNN does on CPUs without VNNI).
 // The AVX2 path widens both to int16 and multiplies pairs into int32 (vpmaddwd): exact, at half the rate.
@@ -24,6 +26,8 @@
 
 #if defined(__x86_64__)
 #include <immintrin.h>
+
+#include "amx.h"
 #define FASTBERT_AVX512_VNNI __attribute__((target("avx512f,avx512vnni")))
 #define FASTBERT_AVX_VNNI __attribute__((target("avx2,avxvnni")))
 #define FASTBERT_AVX2 __attribute__((target("avx2")))
@@ -38,8 +42,9 @@ constexpr int64_t kBlockBytes = kCols * kGroup;
 // The longest k whose sums cannot overflow int32: k * 255 * 128 <= 2^31 - 1.
 constexpr int64_t kMaxK = INT32_MAX / (255 * 128);
 
-// isa argument of int8_matmul.
-enum Isa : int64_t { kBest = 0, kPortable = 1, kAvxVnni = 2, kAvx512Vnni = 3, kAvx2 = 4, kLastIsa = kAvx2 };
+// isa argument of int8_matmul. kAmx: AMX-INT8 tiles where k is a multiple of 64, else (a k whose tail a tile
+// cannot take) AVX512-VNNI.
+enum Isa : int64_t { kBest = 0, kPortable = 1, kAvxVnni = 2, kAvx512Vnni = 3, kAvx2 = 4, kAmx = 5, kLastIsa = kAmx };
 
 inline int64_t blocks(int64_t n) { return (n + kCols - 1) / kCols; }
 inline int64_t groups(int64_t k) { return (k + kGroup - 1) / kGroup; }
@@ -50,13 +55,15 @@ inline const char* isa_name(int64_t isa) {
     case kAvxVnni: return "AVX-VNNI (256-bit)";
     case kAvx512Vnni: return "AVX512-VNNI";
     case kAvx2: return "AVX2 (no VNNI)";
+    case kAmx: return "AMX-INT8";
     default: return "best available";
   }
 }
 
 // The CPU features an ISA needs, as /proc/cpuinfo names them (for error messages).
 inline const char* isa_features(int64_t isa) {
-  return isa == kAvx512Vnni ? "avx512f and avx512_vnni"
+  return isa == kAmx         ? "amx_int8, avx512f and avx512_vnni"
+         : isa == kAvx512Vnni ? "avx512f and avx512_vnni"
          : isa == kAvxVnni  ? "avx2 and avx_vnni"
          : isa == kAvx2     ? "avx2"
                             : "nothing";
@@ -72,11 +79,13 @@ inline bool cpu_has(int64_t isa) {
   if (isa == kAvx512Vnni) return avx512_vnni;
   if (isa == kAvxVnni) return avx_vnni;
   if (isa == kAvx2) return avx2;
+  if (isa == kAmx) return avx512_vnni && amx::cpu_has_amx_int8();
 #endif
   return false;
 }
 
 inline int64_t best_isa() {
+  if (cpu_has(kAmx)) return kAmx;
   if (cpu_has(kAvx512Vnni)) return kAvx512Vnni;
   if (cpu_has(kAvxVnni)) return kAvxVnni;
   if (cpu_has(kAvx2)) return kAvx2;
@@ -410,12 +419,59 @@ void run(const Problem& p, const gemm_driver::Kernel<TileFn, kRows, kBlocks>& ke
   });
 }
 
+#if defined(__x86_64__)
+// The float32 result of a block's int32 sums (row stride 32), scale[n] x float(sum), to out (row stride ldo).
+FASTBERT_AVX512_VNNI inline void scale_sums(const Problem& p, const int32_t* sums, int64_t rows, int64_t col0,
+                                            int64_t cols, float* out, int64_t ldo) {
+  for (int64_t c = 0; c < cols; c += kCols) {
+    const __mmask16 mask = cols - c >= kCols ? __mmask16(0xffff) : __mmask16((1u << (cols - c)) - 1);
+    const __m512 scale = _mm512_maskz_loadu_ps(mask, p.scale + col0 + c);
+    for (int64_t r = 0; r < rows; ++r)
+      _mm512_mask_storeu_ps(out + r * ldo + c, mask,
+                            _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(mask, sums + r * 32 + c))));
+  }
+}
+
+// u8 x s8 on AMX-INT8, k a multiple of 64, tasks as amx::Schedule shares them out (float_gemm.h's bfloat16
+// run_amx, which measured them): a block of 32 rows meets a panel of 2 packed blocks on amx::tile_block (q's
+// rows read in place, a partial strip from a zero-padded copy), the int32 sums scaled to float32 into the
+// output, or into a tile for the epilogue, while they are in L1.
+inline void run_amx(const Problem& p) {
+  const int64_t steps = p.k / 64, stride = p.block_stride / 4;  // stride: words from block to block
+  const uint32_t* packed = reinterpret_cast<const uint32_t*>(p.packed);
+  const amx::Schedule schedule(p.m, blocks(p.n), p.k);
+  at::parallel_for(0, schedule.tasks(), 1, [&](int64_t begin, int64_t end) {
+    amx::Scope tiles;
+    alignas(64) int32_t sums[32 * 32];
+    alignas(64) float tile[32 * 32];
+    std::vector<uint8_t> edge;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t row_end = schedule.row_end(task), last = schedule.last(task);
+      const uint8_t* padded = amx::padded_last_block(p.q, p.k, last, row_end, p.k, edge);
+      schedule.visit(task, p.block_stride, steps, [&](int64_t r, int64_t block, int64_t ahead, int64_t ahead_bytes) {
+        const int64_t rows = std::min<int64_t>(32, row_end - r), strips = (rows + 15) / 16;
+        const uint8_t* a[2] = {p.q + r * p.k, strips > 1 ? p.q + (r + 16) * p.k : nullptr};
+        if (r == last && padded != nullptr) a[0] = padded, a[1] = padded + 16 * p.k;
+        const int64_t nb = std::min<int64_t>(2, blocks(p.n) - block), col0 = block * kCols;
+        amx::tile_block<false>(strips, nb, a, p.k, packed + block * stride, 256, stride, 64, steps, sums, 32 * 4,
+                               ahead < 0 ? nullptr : packed + ahead / 4, ahead_bytes);
+        const int64_t cols = std::min(nb * kCols, p.n - col0);
+        if (p.epilogue.apply == nullptr) return scale_sums(p, sums, rows, col0, cols, p.out + r * p.n + col0, p.n);
+        scale_sums(p, sums, rows, col0, cols, tile, 32);
+        p.epilogue.apply(p.epilogue.context, r, rows, col0, cols, tile, 32);
+      });
+    }
+  });
+}
+#endif
+
 // isa: an Isa the CPU has (the caller checks); kBest picks.
 inline void matmul(const Problem& p, int64_t isa) {
   if (p.m == 0 || p.n == 0) return;
   if (isa == kBest) isa = best_isa();
 #if defined(__x86_64__)
-  if (isa == kAvx512Vnni) {
+  if (isa == kAmx && p.k % 64 == 0) return run_amx(p);
+  if (isa == kAvx512Vnni || isa == kAmx) {
     static const auto kernel = gemm_driver::make_kernel<TileFn, Avx512Tile, 6, 4>();
     return run(p, kernel);
   }

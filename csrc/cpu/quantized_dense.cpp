@@ -203,8 +203,8 @@ void check_matmul(const char* op, const at::Tensor& q, const at::Tensor& packed,
   TORCH_CHECK(k <= int8_gemm::kMaxK, op, ": k = ", k, " is longer than ", int8_gemm::kMaxK,
               ", where int32 sums of u8 x s8 products could overflow");
   TORCH_CHECK(isa >= int8_gemm::kBest && isa <= int8_gemm::kLastIsa,
-              op, ": isa must be 0 (best available), 1 (portable C++), 2 (AVX-VNNI), 3 (AVX512-VNNI) or 4 "
-              "(AVX2 without VNNI), got ", isa);
+              op, ": isa must be 0 (best available), 1 (portable C++), 2 (AVX-VNNI), 3 (AVX512-VNNI), 4 "
+              "(AVX2 without VNNI) or 5 (AMX-INT8), got ", isa);
 #if defined(__x86_64__)
   TORCH_CHECK(isa == int8_gemm::kBest || int8_gemm::cpu_has(isa), op, ": isa ", isa, " (",
               int8_gemm::isa_name(isa), ") needs a CPU with ", int8_gemm::isa_features(isa),

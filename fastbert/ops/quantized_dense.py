@@ -204,7 +204,7 @@ def _own_dequantize(q, packed, weight_scale, scale, zero_point, wsum, bias, acti
                                                 bias, activation, isa, out)
 
 
-ISAS = {"best": 0, "portable": 1, "avx_vnni": 2, "avx512_vnni": 3, "avx2": 4}  # int8_matmul's isa codes
+ISAS = {"best": 0, "portable": 1, "avx_vnni": 2, "avx512_vnni": 3, "avx2": 4, "amx": 5}  # int8_matmul's isa codes
 
 
 @functools.lru_cache(maxsize=None)

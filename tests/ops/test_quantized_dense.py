@@ -224,9 +224,9 @@ def test_bad_input_is_named(call, message):
 
 # ------------------------------------------------- fastbert's own int8 GEMM (own_gemm): bit for bit, every tail
 
-ISAS = [("best", 0), ("portable", 1), ("avx_vnni", 2), ("avx512_vnni", 3), ("avx2", 4)]
-CPU_FLAGS = {2: "avx_vnni", 3: "avx512_vnni", 4: "avx2"}  # /proc/cpuinfo's names of what isas 2-4 need
-GEMM_M = (1, 3, 17, 128)
+ISAS = [("best", 0), ("portable", 1), ("avx_vnni", 2), ("avx512_vnni", 3), ("avx2", 4), ("amx", 5)]
+CPU_FLAGS = {2: "avx_vnni", 3: "avx512_vnni", 4: "avx2", 5: "amx_int8"}  # /proc/cpuinfo's names of what isas 2-5 need
+GEMM_M = (1, 3, 17, 128, 300)  # 300: rows shared out between threads, each share ending in a partial strip
 GEMM_K = (1, 5, 64, 768, 3072)
 GEMM_N = (1, 15, 17, 64, 768, 2304)
 
@@ -371,7 +371,7 @@ def bad_matmul(q=None, packed=None, n=5, k=8, weight_scale=None, isa=0, out=None
     (lambda: bad_matmul(out=torch.empty(3, 6)), "out must be a contiguous float32 \\[3, 5\\]"),
     (lambda: bad_matmul(out=torch.empty(3, 5, dtype=torch.bfloat16)), "out must be a contiguous float32"),
     (lambda: bad_matmul(out=torch.empty(5, 3).T), "out must be a contiguous float32"),
-    (lambda: bad_matmul(isa=5), "isa must be 0 \\(best available\\), 1 \\(portable C\\+\\+\\)"),
+    (lambda: bad_matmul(isa=6), "isa must be 0 \\(best available\\), 1 \\(portable C\\+\\+\\)"),
     (lambda: bad_matmul(isa=-1), "isa must be 0"),
     (lambda: torch.ops.fastbert_C.int8_pack(torch.zeros(3, 4)), "int8_pack: weight must be an int8 \\[n, k\\]"),
     (lambda: torch.ops.fastbert_C.int8_pack(torch.zeros(3, dtype=torch.int8)), "int8_pack: weight must be an int8"),
@@ -387,7 +387,7 @@ def test_own_gemm_bad_input_is_named(call, message):
         call()
 
 
-@pytest.mark.parametrize("isa", [2, 3, 4])
+@pytest.mark.parametrize("isa", [2, 3, 4, 5])
 def test_forcing_an_isa_the_cpu_lacks_raises(isa):
     skip_unless_runnable("quantized_dense", "cpu", torch.float32)
     if torch.ops.fastbert_C.int8_isa_supported(isa):
