@@ -88,21 +88,26 @@ def gemm_rate(dtype: torch.dtype, device: str = "cpu", quantized: bool = False) 
     x, w = torch.randn(m, k).to(device, dtype), torch.randn(n, k).to(device, dtype)
     if quantized:
         qd = sys.modules["fastbert.ops.quantized_dense"]
-        # The GEMM quantized_dense runs here: oneDNN's, or fastbert's own where oneDNN's is missing or inexact.
+        # The GEMMs quantized_dense runs here, the faster one's rate: oneDNN's (where its sums are exact) and
+        # fastbert's own (on AMX-INT8 tiles where the CPU has them, which beat oneDNN's on a Xeon).
         exact_onednn = not _onednn.missing("onednn", ("qlinear_prepack", "qlinear_pointwise")) and not qd.onednn_inexact()
-        gemm = qd.ONEDNN_GEMM if exact_onednn else qd.own_gemm_step(0)
         q = torch.randint(0, 256, (m, k), dtype=torch.uint8)
         weight = torch.randint(-127, 128, (n, k), dtype=torch.int8)
-        packed = gemm.pack(weight, None, m)
         # Scales of a real layer's size: with scale 1 oneDNN ran at half the rate here (another code path).
         scale = torch.rand(n) * 0.01 + 1e-3
         # In the row blocks quantized_dense runs it in: whole, its float32 output spills from cache and
         # oneDNN runs at half this rate (benchmarks/RESULTS.md), which is not the machine's limit.
         step = qd.rows_per_block(n)
 
-        def fn():
-            for r in range(0, m, step):
-                gemm.run(q[r:r + step], packed, scale)
+        def run_in_blocks(gemm):
+            packed = gemm.pack(weight, None, m)
+            return lambda: [gemm.run(q[r:r + step], packed, scale) for r in range(0, m, step)]
+
+        gemms = {"own": run_in_blocks(qd.own_gemm_step(0))}
+        if exact_onednn:
+            gemms["onednn"] = run_in_blocks(qd.ONEDNN_GEMM)
+        ms = min(alternating_medians(gemms, rounds=10, device=device, warmup=2).values())
+        return 2 * m * k * n / (ms / 1e3) / 1e9
     elif device == "cpu" and not _onednn.missing() and not _onednn.dtype_missing((dtype,)):
         blocked = _onednn.pack(w, m)
         fn = lambda: _onednn.linear(x, blocked, None)  # noqa: E731
