@@ -50,10 +50,13 @@ def _in_dtype_of(x, weight, bias):
     return weight, bias
 
 
+_add_layer_norm_in_float32 = reference.in_float32(reference.add_layer_norm)
+
+
 @dispatch.register("add_layer_norm", "reference",
                    dispatch.Support(("cpu", "cuda"), dispatch.FLOATS, quantized_output=True))
 def _reference(x, residual, weight, bias, eps, dropout_p, quantize_output):
-    out = reference.in_float32(reference.add_layer_norm)(x, residual, weight, bias, eps, dropout_p)
+    out = _add_layer_norm_in_float32(x, residual, weight, bias, eps, dropout_p)
     if not quantize_output:
         return out
     q, scale, zero_point = reference.quantize_rows(out.reshape(-1, out.shape[-1]))

@@ -154,6 +154,7 @@ def test_cpu_bf16_multiplies_bf16_pairs(monkeypatch):
     (P rounded to bfloat16 for P V); FASTBERT_CPU_BF16_DOT=0 runs the same micro-kernel on fp32 copies.
     Only P's rounding differs between the two, so equal outputs would mean the pairs never ran. Both
     paths are held to the table by test_cpu_each_gemm."""
+    skip_unless_runnable("attention", "cpu", torch.bfloat16)  # (a build without fastbert._C: nothing to ask)
     from fastbert import _C
 
     if not _C.AVX512_BF16:
