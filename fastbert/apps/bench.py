@@ -79,17 +79,19 @@ def useful_flops(config: fastbert.BertConfig, mask: torch.Tensor) -> float:
 
 
 def gemm_rate(dtype: torch.dtype, device: str = "cpu", quantized: bool = False) -> float:
-    """GFLOP/s (GOP/s for int8) of the machine's GEMM, measured now: at BERT-base FFN width on CPU the one
-    fastbert runs (oneDNN's packed GEMM where it can serve the dtype, its float32 GEMM for bf16 where it has no
-    bf16 GEMM, else torch's; u8 x s8 for int8), a large cuBLAS matmul on GPU."""
+    """GFLOP/s (GOP/s for int8) of the machine's GEMM, measured now: at BERT-base FFN width on CPU the faster
+    of the GEMMs fastbert runs (oneDNN's packed GEMM where it can serve the dtype, its float32 GEMM for bf16
+    where it has no bf16 GEMM, else torch's; beside it fastbert's own, on AMX tiles where the CPU has them;
+    u8 x s8 for int8), a large cuBLAS matmul on GPU."""
+    from fastbert import dispatch
     from fastbert.ops import _onednn
 
     m, k, n = (1024, 768, 3072) if device == "cpu" else (8192, 8192, 8192)
     x, w = torch.randn(m, k).to(device, dtype), torch.randn(n, k).to(device, dtype)
+    own = device == "cpu" and not dispatch.machine_reasons("cpu")  # fastbert._C's GEMMs run here
     if quantized:
         qd = sys.modules["fastbert.ops.quantized_dense"]
-        # The GEMMs quantized_dense runs here, the faster one's rate: oneDNN's (where its sums are exact) and
-        # fastbert's own (on AMX-INT8 tiles where the CPU has them, which beat oneDNN's on a Xeon).
+        # Both u8 x s8 GEMMs quantized_dense runs: oneDNN's (where its sums are exact) and the own one.
         exact_onednn = not _onednn.missing("onednn", ("qlinear_prepack", "qlinear_pointwise")) and not qd.onednn_inexact()
         q = torch.randint(0, 256, (m, k), dtype=torch.uint8)
         weight = torch.randint(-127, 128, (n, k), dtype=torch.int8)
@@ -103,21 +105,22 @@ def gemm_rate(dtype: torch.dtype, device: str = "cpu", quantized: bool = False) 
             packed = gemm.pack(weight, None, m)
             return lambda: [gemm.run(q[r:r + step], packed, scale) for r in range(0, m, step)]
 
-        gemms = {"own": run_in_blocks(qd.own_gemm_step(0))}
+        gemms = {"own": run_in_blocks(qd.own_gemm_step(0))} if own or not exact_onednn else {}
         if exact_onednn:
             gemms["onednn"] = run_in_blocks(qd.ONEDNN_GEMM)
-        ms = min(alternating_medians(gemms, rounds=10, device=device, warmup=2).values())
-        return 2 * m * k * n / (ms / 1e3) / 1e9
     elif device == "cpu" and not _onednn.missing() and not _onednn.dtype_missing((dtype,)):
         blocked = _onednn.pack(w, m)
-        fn = lambda: _onednn.linear(x, blocked, None)  # noqa: E731
+        gemms = {"onednn": lambda: _onednn.linear(x, blocked, None)}
     elif device == "cpu" and not _onednn.missing() and dtype == torch.bfloat16:
         # dense's onednn-fp32 variant: the bf16 values through oneDNN's float32 GEMM, rounded back.
         blocked = _onednn.pack(w.float(), m)
-        fn = lambda: _onednn.linear(x.float(), blocked, None).to(dtype)  # noqa: E731
+        gemms = {"onednn-fp32": lambda: _onednn.linear(x.float(), blocked, None).to(dtype)}
     else:
-        fn = lambda: torch.nn.functional.linear(x, w)  # noqa: E731
-    ms = alternating_medians({"gemm": fn}, rounds=10, device=device, warmup=2)["gemm"]
+        gemms = {"torch": lambda: torch.nn.functional.linear(x, w)}
+    if own and not quantized and dtype in (torch.float32, torch.bfloat16):
+        packed, out = torch.ops.fastbert_C.dense_pack(w), torch.empty(m, n, dtype=dtype)
+        gemms["own"] = lambda: torch.ops.fastbert_C.dense_gemm(x, packed, n, k, None, 0, 0, out)
+    ms = min(alternating_medians(gemms, rounds=10, device=device, warmup=2).values())
     return 2 * m * k * n / (ms / 1e3) / 1e9
 
 
@@ -414,8 +417,8 @@ def markdown(rows: list[Row], names: list[str], rates: dict, backend: str | None
     lines.append("")
     lines.append(cpu_line() + f", {torch.get_num_threads()} threads; each timed call right after an untimed one "
                  "of the same contender" + (f"; fastbert's ops forced to the {backend} backend" if backend else ""))
-    lines.append("GEMM rate (CPU: the GEMM fastbert runs at 1024x768x3072, int8 in quantized_dense's row blocks; "
-                 "GPU: cuBLAS 8192^3; same run): "
+    lines.append("GEMM rate (CPU: the faster of the GEMMs fastbert runs at 1024x768x3072, int8 in quantized_dense's "
+                 "row blocks; GPU: cuBLAS 8192^3; same run): "
                  + ", ".join(f"{k} {v:.0f} {'GOP' if k == 'int8' else 'GFLOP'}/s" for k, v in rates.items()))
     timed_int8 = {n for r in rows if r.dtype == "int8" for n in r.ms}
     between = {"fastbert": str(fast_activation_dtype()).removeprefix("torch."), "openvino": "its own choice",
