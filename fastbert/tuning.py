@@ -12,7 +12,9 @@ forward meets those weights out of cache.
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -102,18 +104,36 @@ def cache_bytes(level: int) -> int | None:
 
 
 @functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)
+def build() -> str:
+    """Which compiled kernels a measurement timed: fastbert._C's size and modification time, hashed (a
+    rebuild, a kernel changed under the same version number, measures afresh); "none" without _C."""
+    spec = importlib.util.find_spec("fastbert._C")
+    if spec is None or spec.origin is None or not os.path.exists(spec.origin):
+        return "none"
+    stat = os.stat(spec.origin)
+    return hashlib.sha1(f"{stat.st_size} {stat.st_mtime_ns}".encode()).hexdigest()[:10]
+
+
 def _machine_base() -> str:
     try:
         version = importlib.metadata.version("fastbert")
     except importlib.metadata.PackageNotFoundError:
         version = "unknown"
     c = cpu()
-    return f"{c['model']} [{' '.join(c['features'])}] torch {torch.__version__} fastbert {version}"
+    return f"{c['model']} [{' '.join(c['features'])}] torch {torch.__version__} fastbert {version} build {build()}"
 
 
 def machine() -> str:
-    """What a measurement holds for: the CPU, its features, the versions and the thread count."""
+    """What a measurement holds for: the CPU, its features, the versions, the build and the thread count."""
     return f"{_machine_base()} {torch.get_num_threads()} threads ({platform.machine()})"
+
+
+def _other_build(key: str) -> bool:
+    """Whether a cache file's `key` is this machine's (any thread count) under another build of _C."""
+    here = _machine_base()
+    prefix = here[:here.rindex(" build ")]
+    return key.startswith(prefix + " build ") and not key.startswith(here + " ")
 
 
 def _read(path: Path) -> dict:
@@ -170,6 +190,8 @@ def _store(key: str, entry: dict) -> None:
                 if fcntl is not None:  # processes merge in turn: none drops what another just wrote
                     fcntl.flock(lock, fcntl.LOCK_EX)
                 data = _read(path)
+                for stale in [k for k in data if k != machine() and _other_build(k)]:
+                    del data[stale]  # this machine's tables from builds since replaced: never read again
                 _mine(data)[key] = entry
                 fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".variants-")
                 with os.fdopen(fd, "w") as f:

@@ -502,3 +502,24 @@ def test_each_thread_count_has_its_own_measurements(tuned, monkeypatch):
         assert dense_variants() == {"torch"}
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_rebuild_measures_afresh_and_drops_the_old_builds_table(tuned, monkeypatch):
+    """A cache written by another build of the kernels on this machine is not trusted (its timings are of
+    other code), and the first store under this build drops it; other machines' tables stay."""
+    x, bias = torch.randn(6, 8), torch.randn(8)
+    here = tuning.machine()
+    assert f" build {tuning.build()} " in here
+    old_build = here.replace(f" build {tuning.build()} ", " build 0123456789 ")
+    other_machine = here.replace(" torch ", " (another CPU) torch ", 1)
+    stale = {"bias_gelu cpu float32 infer m8": {"choice": "slow", "ms": {"slow": 0.1, "fast": 9.0}}}
+    (tuned / "variants.json").write_text(json.dumps({old_build: stale, other_machine: stale}))
+    with dispatch.scratch_registry():
+        ran = []
+        _stand_ins(ran)
+        with dispatch.record() as calls:
+            ops.bias_gelu(x, bias)
+        assert [c.variant for c in calls] == ["fast"] and "slow" in ran  # measured, not the old build's pick
+    saved = json.loads((tuned / "variants.json").read_text())
+    assert set(saved) == {here, other_machine}
+    assert saved[here]["bias_gelu cpu float32 infer m8"]["choice"] == "fast"
