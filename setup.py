@@ -2,11 +2,15 @@
 
 at::vec::Vectorized compiles to scalar code unless the matching -m flags and CPU_CAPABILITY defines
 are set, so they are chosen here from /proc/cpuinfo (AVX512, else AVX2, else the portable default).
-CUDA kernels (csrc/cuda) are built only where torch is a CUDA build and a CUDA toolkit exists.
+CUDA kernels (csrc/cuda) are built only where torch is a CUDA build and a CUDA toolkit of its major version
+exists (another one: the CPU kernels only, with a message).
 FASTBERT_NO_EXTENSION=1 skips the build: `import fastbert` still works on the reference backend.
 """
 import glob
 import os
+import re
+import subprocess
+import sys
 
 from setuptools import find_packages, setup
 
@@ -37,9 +41,19 @@ def cpu_flags() -> list[str]:
     return next(flags for needs, flags in ISA_BUILDS.values() if set(needs) <= have)
 
 
+def nvcc_release(nvcc: str) -> str | None:
+    """The CUDA release `nvcc --version` reports ("13.0"); None where it does not run or say."""
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=120).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = re.search(r"release (\d+)\.(\d+)", out)
+    return f"{found[1]}.{found[2]}" if found else None
+
+
 def cuda_toolkit() -> str | None:
-    """CUDA_HOME when torch is a CUDA build and the toolkit's nvcc exists; None otherwise (a CPU build).
-    FASTBERT_NO_CUDA=1 forces a CPU build."""
+    """CUDA_HOME when torch is a CUDA build and the toolkit's nvcc exists and has torch's CUDA major version;
+    None otherwise (a CPU build). FASTBERT_NO_CUDA=1 forces a CPU build."""
     if os.environ.get("FASTBERT_NO_CUDA") == "1":
         return None
     import torch
@@ -48,7 +62,17 @@ def cuda_toolkit() -> str | None:
     if torch.version.cuda is None or CUDA_HOME is None:
         return None
     nvcc = os.path.join(CUDA_HOME, "bin", "nvcc")
-    return CUDA_HOME if os.path.exists(nvcc) else None
+    if not os.path.exists(nvcc):
+        return None
+    release = nvcc_release(nvcc)
+    if release is None or release.split(".")[0] != torch.version.cuda.split(".")[0]:
+        # torch's extension builder refuses another major version (a failed install): build the CPU kernels.
+        print(f"fastbert: building the CPU kernels only: torch is built with CUDA {torch.version.cuda} and {nvcc} "
+              f"is {'CUDA ' + release if release else 'not runnable'}; for the CUDA kernels point CUDA_HOME at a CUDA "
+              f"{torch.version.cuda.split('.')[0]}.x toolkit (FASTBERT_NO_CUDA=1 builds CPU-only without this "
+              "message)", file=sys.stderr)
+        return None
+    return CUDA_HOME
 
 
 # -ffp-contract=off: the kernels write their fused multiply-adds explicitly; letting the compiler

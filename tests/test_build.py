@@ -130,11 +130,43 @@ def test_cuda_kernels_compile(tmp_path):
     assert not failures, "nvcc failed:\n\n" + "\n\n".join(failures)
 
 
-def _isa_builds() -> dict:
+def _setup_py():
     spec = importlib.util.spec_from_file_location("fastbert_setup", os.path.join(ROOT, "setup.py"))
     setup_py = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(setup_py)  # defines ISA_BUILDS; setup() runs only as __main__
-    return setup_py.ISA_BUILDS
+    spec.loader.exec_module(setup_py)  # defines ISA_BUILDS and the helpers; setup() runs only as __main__
+    return setup_py
+
+
+def _isa_builds() -> dict:
+    return _setup_py().ISA_BUILDS
+
+
+@pytest.mark.parametrize("torch_cuda, nvcc_says, builds_cuda", [
+    ("12.8", "Cuda compilation tools, release 12.9, V12.9.86", True),  # minor versions may differ (torch warns)
+    ("12.8", "Cuda compilation tools, release 13.0, V13.0.48", False),  # torch's builder refuses: CPU only
+    ("13.0", "no version here", False),
+])
+def test_a_toolkit_of_another_cuda_major_builds_the_cpu_kernels(tmp_path, monkeypatch, capsys, torch_cuda,
+                                                                 nvcc_says, builds_cuda):
+    """A CUDA torch beside a toolkit of another major version (torch cu128, nvcc 13) failed the whole install
+    in torch's extension builder; it builds the CPU kernels instead, and says why."""
+    from torch.utils import cpp_extension
+
+    import torch
+
+    nvcc = tmp_path / "bin" / "nvcc"
+    nvcc.parent.mkdir()
+    nvcc.write_text(f"#!/bin/sh\necho '{nvcc_says}'\n")
+    nvcc.chmod(0o755)
+    monkeypatch.delenv("FASTBERT_NO_CUDA", raising=False)
+    monkeypatch.setattr(torch.version, "cuda", torch_cuda)
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", str(tmp_path))
+    assert _setup_py().cuda_toolkit() == (str(tmp_path) if builds_cuda else None)
+    err = capsys.readouterr().err
+    if builds_cuda:
+        assert err == ""
+    else:
+        assert "building the CPU kernels only" in err and f"CUDA {torch_cuda}" in err, err
 
 
 CPU_SOURCES = sorted(glob.glob(os.path.join(ROOT, "csrc", "*.cpp"))
