@@ -79,15 +79,22 @@ def _head_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     the backward return garbage. `.contiguous()` would keep the odd strides of a tensor torch calls
     contiguous (an empty one, or size-1 dims). The row stride is BLAS's leading dimension, so it must be
     d or more even where there is one row (a [B, heads, 1, d] transposed from [B, heads, d, 1])."""
-    if t.stride(-1) == 1 and _rows_apart(t) and t.stride(2 if t.dim() == 4 else 0) >= t.shape[-1]:
+    if _read_in_place(t.shape, t.stride()):
         return t
     return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
 
 
-def _rows_apart(t: torch.Tensor) -> bool:
-    """Whether no two elements of t share memory (each dim's stride spans the smaller dims before it)."""
+@functools.lru_cache(maxsize=1024)
+def _read_in_place(shape: torch.Size, strides: tuple[int, ...]) -> bool:
+    """_head_dim_contiguous's test, per layout (remembered: a model calls with a few layouts, and the test
+    cost ~3 us a tensor, three a call)."""
+    return strides[-1] == 1 and _rows_apart(shape, strides) and strides[2 if len(shape) == 4 else 0] >= shape[-1]
+
+
+def _rows_apart(shape, strides) -> bool:
+    """Whether no two elements share memory (each dim's stride spans the smaller dims before it)."""
     span = 1
-    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+    for stride, size in sorted((st, sz) for st, sz in zip(strides, shape) if sz > 1):
         if stride < span:
             return False
         span = stride * size
