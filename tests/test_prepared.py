@@ -68,6 +68,30 @@ def test_inference_tensors_and_compiled_code_keep_nothing():
     assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0)) and len(prepared) == 0
 
 
+def test_a_model_of_inference_tensors_says_why_it_is_slow(monkeypatch, recwarn):
+    """A model made or converted inside torch.inference_mode() re-prepares its weights at every call (MiniLM
+    at one query ran 4x slower): the first such call warns, once, with the cause and the fix; a model made
+    outside and run inside does not."""
+    import fastbert
+    from fastbert.ops import prepared as prepared_module
+
+    config = fastbert.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                 intermediate_size=64)
+    ids = torch.randint(0, 50, (2, 6))
+    monkeypatch.setattr(prepared_module, "_WARNED", [False])
+    plain = fastbert.BertModel(config).eval()
+    with torch.inference_mode():
+        plain(ids)
+    assert not [w for w in recwarn if "inference tensors" in str(w.message)]
+    with torch.inference_mode():
+        made_inside = copy.deepcopy(plain)
+        with pytest.warns(UserWarning, match=r"inference tensors .* outside torch\.inference_mode\(\)"):
+            made_inside(ids)
+        recwarn.clear()
+        made_inside(ids)  # once a process
+    assert not [w for w in recwarn if "inference tensors" in str(w.message)]
+
+
 @pytest.mark.parametrize("op", ["dense", "qkv_projection"])
 def test_the_cpu_backend_packs_into_the_owners_prepared_weights(op):
     if dispatch.not_supported_reasons(op, "cpu", {"tensors": (torch.ones(1),)}):

@@ -12,6 +12,7 @@ is kept: the form is made from the real parameters on every call.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
@@ -36,6 +37,22 @@ def _step_moves_versions(optimizer, args, kwargs) -> None:
 register_optimizer_step_post_hook(_step_moves_versions)
 
 
+_WARNED = [False]  # _warn_inference_weights has spoken in this process
+
+
+def _warn_inference_weights() -> None:
+    """Once a process: weights that are inference tensors are re-prepared at every call, which a user would
+    otherwise only see as a slow model."""
+    if _WARNED[0]:
+        return
+    _WARNED[0] = True
+    warnings.warn("fastbert: the model's weights are inference tensors (the model was made, loaded, copied or "
+                  "converted with .to() inside torch.inference_mode()). They carry no version counter, so a change "
+                  "could not be told and fastbert re-prepares them (packs, stacks) at every call and runs its "
+                  "layers op by op: MiniLM at one query ran 4x slower so. Make and convert the model outside "
+                  "torch.inference_mode() and run only its forward inside.", UserWarning, stacklevel=4)
+
+
 class PreparedWeights:
     """name -> (the sources' aliases, their stamps, the prepared value)."""
 
@@ -52,6 +69,8 @@ class PreparedWeights:
         stamps = []
         for s in sources:
             if type(s) not in _PLAIN or s.is_inference():
+                if s.is_inference():
+                    _warn_inference_weights()
                 return make(*sources)  # inference tensors carry no version: nothing could tell a change
             stamps.append((s.data_ptr(), s._version, s.dtype, s.device, s.shape, s.stride()))
         stamps = tuple(stamps)
