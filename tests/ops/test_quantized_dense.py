@@ -1,6 +1,7 @@
 """quantized_dense: the cpu kernels equal the reference fed the same quantized bytes, and the C++
 quantization produces exactly the reference's bytes."""
 import sys
+import zlib
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from fastbert.ops.prepared import PreparedWeights
 from fastbert.ops.quantized_dense import ONEDNN_GEMM, _cpu, onednn_inexact, own_gemm, own_gemm_step
 from fastbert.testing import assert_close, assert_ran, poison_outputs, tolerance
 from grids import skip_unless_runnable, skip_unless_variant
+from harness import DERANDOMIZE, EXAMPLES, HIDDEN, INNER, SEEDS, _require_hypothesis, _settings, hypothesis, st
 
 SHAPES = [((1, 7), 5, "none", "none"), ((13, 97), 64, "gelu", "none"), ((2, 9, 768), 3072, "gelu", "tanh"),
           ((33, 3072), 768, "none", "none"), ((4, 1, 128), 384, "none", "none"),
@@ -41,6 +43,38 @@ def test_matches_reference_on_the_same_quantized_input(shape, n, activation, app
     truth = reference.quantized_dense(x.double(), weight, scale, None if b is None else b.double(), activation, approximate)
     naive = reference.quantized_dense(x, weight, scale, b, activation, approximate)
     assert_close(out, truth, dtype, "matmul", naive=naive)
+
+
+@pytest.mark.parametrize("variant", dispatch.variant_names("quantized_dense", "cpu"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_properties(dtype, variant):
+    """Each variant equals the reference fed the same quantized bytes on what hypothesis draws: rows 1-300
+    (row blocks, partial AMX strips), any k from 1 (odd ones: the VNNI groups of 4, AMX's 64), n from 7, rows
+    with their own offset and spread (or constant: a zero range), bias or none, each epilogue."""
+    _require_hypothesis()
+    skip_unless_variant("quantized_dense", variant, dtype)
+
+    @_settings(EXAMPLES)
+    @hypothesis.given(m=st.integers(1, 300), k=INNER, n=HIDDEN, activation=st.sampled_from(sorted(EPILOGUES)),
+                      bias=st.booleans(), constant_rows=st.booleans(), seed=SEEDS)
+    def prop(m, k, n, activation, bias, constant_rows, seed):
+        torch.manual_seed(seed)
+        spread = torch.zeros(m, 1) if constant_rows else 0.5 + torch.rand(m, 1) * 4
+        x = (torch.randn(m, k) * spread + torch.randn(m, 1)).to(dtype)
+        weight, scale, b = layer(n, k, bias)
+        with torch.no_grad(), poison_outputs(), dispatch.use_variant("quantized_dense", variant), \
+                dispatch.record() as calls:
+            out = ops.quantized_dense(x, weight, scale, b, *activation)
+        assert_ran(calls, "quantized_dense", "cpu")
+        assert {c.variant for c in calls} == {variant}
+        assert out.dtype == dtype and out.shape == (m, n)
+        truth = reference.quantized_dense(x.double(), weight, scale, None if b is None else b.double(), *activation)
+        naive = reference.quantized_dense(x, weight, scale, b, *activation)
+        assert_close(out, truth, dtype, "matmul", naive=naive)
+
+    if DERANDOMIZE:  # each (dtype, variant) its own seed, as harness._run gives each op's
+        prop = hypothesis.seed(zlib.crc32(f"quantized_dense/{variant}/{dtype}".encode()))(prop)
+    prop()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
