@@ -108,7 +108,10 @@ def cache_bytes(level: int) -> int | None:
 def build() -> str:
     """Which compiled kernels a measurement timed: fastbert._C's size and modification time, hashed (a
     rebuild, a kernel changed under the same version number, measures afresh); "none" without _C."""
-    spec = importlib.util.find_spec("fastbert._C")
+    try:
+        spec = importlib.util.find_spec("fastbert._C")
+    except (ImportError, ValueError):  # an import hook that refuses it: no build to name
+        spec = None
     if spec is None or spec.origin is None or not os.path.exists(spec.origin):
         return "none"
     stat = os.stat(spec.origin)
