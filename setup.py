@@ -3,7 +3,8 @@
 at::vec::Vectorized compiles to scalar code unless the matching -m flags and CPU_CAPABILITY defines
 are set, so they are chosen here from /proc/cpuinfo (AVX512, else AVX2, else the portable default).
 CUDA kernels (csrc/cuda) are built only where torch is a CUDA build and a CUDA toolkit of its major version
-exists (another one: the CPU kernels only, with a message).
+exists (another one, or a failed CUDA build: the CPU kernels only, with a message; FASTBERT_REQUIRE_CUDA=1
+fails instead).
 FASTBERT_NO_EXTENSION=1 skips the build: `import fastbert` still works on the reference backend.
 """
 import glob
@@ -67,9 +68,12 @@ def cuda_toolkit() -> str | None:
     release = nvcc_release(nvcc)
     if release is None or release.split(".")[0] != torch.version.cuda.split(".")[0]:
         # torch's extension builder refuses another major version (a failed install): build the CPU kernels.
-        print(f"fastbert: building the CPU kernels only: torch is built with CUDA {torch.version.cuda} and {nvcc} "
-              f"is {'CUDA ' + release if release else 'not runnable'}; for the CUDA kernels point CUDA_HOME at a CUDA "
-              f"{torch.version.cuda.split('.')[0]}.x toolkit (FASTBERT_NO_CUDA=1 builds CPU-only without this "
+        why = (f"torch is built with CUDA {torch.version.cuda} and {nvcc} is "
+               f"{'CUDA ' + release if release else 'not runnable'}; for the CUDA kernels point CUDA_HOME at a CUDA "
+               f"{torch.version.cuda.split('.')[0]}.x toolkit")
+        if os.environ.get("FASTBERT_REQUIRE_CUDA") == "1":
+            raise RuntimeError(f"fastbert: FASTBERT_REQUIRE_CUDA=1, but {why}")
+        print(f"fastbert: building the CPU kernels only: {why} (FASTBERT_NO_CUDA=1 builds CPU-only without this "
               "message)", file=sys.stderr)
         return None
     return CUDA_HOME
@@ -101,22 +105,42 @@ def cuda_extension(cxx_flags: list[str]):
     )
 
 
+def cpu_extension():
+    """fastbert._C with the CPU kernels only."""
+    from torch.utils.cpp_extension import CppExtension
+
+    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+    return CppExtension("fastbert._C", sources, extra_compile_args={"cxx": CXX_FLAGS}, extra_link_args=["-fopenmp"])
+
+
+def build_command():
+    """torch's BuildExtension (ninja), which builds the CPU kernels alone where the build with the CUDA kernels
+    fails (nvcc refusing the host compiler, say), and says why: a CPU build rather than a failed install.
+    FASTBERT_REQUIRE_CUDA=1 fails instead."""
+    from torch.utils.cpp_extension import BuildExtension
+
+    class Build(BuildExtension):
+        def run(self):
+            try:
+                super().run()
+            except Exception as e:  # a compiler's failure reaches here as whatever setuptools wraps it in
+                with_cuda = any(src.endswith(".cu") for ext in self.extensions for src in ext.sources)
+                if not with_cuda or os.environ.get("FASTBERT_REQUIRE_CUDA") == "1":
+                    raise
+                print(f"fastbert: the build with the CUDA kernels failed ({type(e).__name__}: {e}); building the "
+                      "CPU kernels only (FASTBERT_REQUIRE_CUDA=1 fails instead; the compiler's messages are above)",
+                      file=sys.stderr)
+                self.extensions = [cpu_extension()]
+                super().run()
+
+    return Build.with_options(use_ninja=True)
+
+
 def extensions():
     if os.environ.get("FASTBERT_NO_EXTENSION") == "1":
         return [], {}
-    from torch.utils.cpp_extension import BuildExtension, CppExtension
-
-    if cuda_toolkit() is not None:
-        ext = cuda_extension(CXX_FLAGS)
-        return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
-    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
-    ext = CppExtension(
-        "fastbert._C",
-        sources,
-        extra_compile_args={"cxx": CXX_FLAGS},
-        extra_link_args=["-fopenmp"],
-    )
-    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
+    ext = cuda_extension(CXX_FLAGS) if cuda_toolkit() is not None else cpu_extension()
+    return [ext], {"build_ext": build_command()}
 
 
 if __name__ == "__main__":  # pip and setuptools run it so; tests/test_build.py imports ISA_BUILDS

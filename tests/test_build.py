@@ -141,6 +141,43 @@ def _isa_builds() -> dict:
     return _setup_py().ISA_BUILDS
 
 
+@pytest.mark.parametrize("case", ["cuda fails", "cuda fails, required", "cpu fails"])
+def test_a_failed_cuda_build_builds_the_cpu_kernels(monkeypatch, capsys, case):
+    """The build with the CUDA kernels failing (nvcc refusing the host gcc, say) failed the whole install; it
+    builds the CPU kernels instead and says why, unless FASTBERT_REQUIRE_CUDA=1. A CPU build's failure stays
+    a failure. (torch's build itself is replaced by a stand-in that fails where there is a .cu source.)"""
+    from setuptools import Distribution
+    from torch.utils import cpp_extension
+
+    monkeypatch.chdir(ROOT)
+    setup_py = _setup_py()
+    built = []
+
+    def stand_in(self):
+        sources = [src for ext in self.extensions for src in ext.sources]
+        built.append(sources)
+        if case == "cpu fails" or any(src.endswith(".cu") for src in sources):
+            raise RuntimeError("nvcc: unsupported GNU version")
+
+    monkeypatch.setattr(cpp_extension.BuildExtension, "run", stand_in)
+    if case.endswith("required"):
+        monkeypatch.setenv("FASTBERT_REQUIRE_CUDA", "1")
+    first = setup_py.cpu_extension()
+    if case != "cpu fails":  # (CUDAExtension itself wants a CUDA_HOME: the sources are what matters)
+        first = cpp_extension.CppExtension("fastbert._C", first.sources + sorted(glob.glob("csrc/cuda/*.cu")))
+    command = setup_py.build_command()(Distribution({"ext_modules": [first]}))
+    command.extensions = [first]
+    if case == "cuda fails":
+        command.run()
+        assert len(built) == 2 and any(src.endswith(".cu") for src in built[0])
+        assert built[1] and not any(src.endswith(".cu") or "/cuda/" in src for src in built[1])
+        assert "building the CPU kernels only" in capsys.readouterr().err
+    else:
+        with pytest.raises(RuntimeError, match="unsupported GNU version"):
+            command.run()
+        assert len(built) == 1
+
+
 @pytest.mark.parametrize("torch_cuda, nvcc_says, builds_cuda", [
     ("12.8", "Cuda compilation tools, release 12.9, V12.9.86", True),  # minor versions may differ (torch warns)
     ("12.8", "Cuda compilation tools, release 13.0, V13.0.48", False),  # torch's builder refuses: CPU only
@@ -167,6 +204,9 @@ def test_a_toolkit_of_another_cuda_major_builds_the_cpu_kernels(tmp_path, monkey
         assert err == ""
     else:
         assert "building the CPU kernels only" in err and f"CUDA {torch_cuda}" in err, err
+        monkeypatch.setenv("FASTBERT_REQUIRE_CUDA", "1")  # ... or fails, where the user asks for the CUDA kernels
+        with pytest.raises(RuntimeError, match=f"FASTBERT_REQUIRE_CUDA=1, but torch is built with CUDA {torch_cuda}"):
+            _setup_py().cuda_toolkit()
 
 
 CPU_SOURCES = sorted(glob.glob(os.path.join(ROOT, "csrc", "*.cpp"))
