@@ -112,12 +112,12 @@ def skip_unless_gemm_isa(isa, dtype):
 @pytest.mark.parametrize("activation,approximate", GEMM_EPILOGUES, ids=["none", "gelu", "gelu_tanh"])
 @pytest.mark.parametrize("m,k,n", [(1, 1, 1), (3, 5, 17), (7, 64, 15), (17, 768, 70), (130, 96, 200),
                                    (16, 384, 1152), (6, 3072, 64), (9, 769, 33), (5, 1537, 40), (48, 64, 48),
-                                   (600, 96, 32), (520, 2100, 40)])
+                                   (600, 96, 32), (520, 2100, 40), (12, 100, 80), (8, 800, 48)])
 def test_own_gemm_matches_the_reference(m, k, n, activation, approximate, isa_name, isa, dtype):
-    """dense_gemm against the float64 reference, every tail of m (6-row tiles; AMX: 16-row strips, 32-row
-    blocks, row or panel shares), n (16 x 4 columns; AMX: 16 x 2) and k (bfloat16 pairs; chunks of 768 float32
-    and 1536 bfloat16 values; AMX: 32-value steps), and both AMX orders (a task's rows within half of L2,
-    520 x 2100 past it on 2 MB L2s)."""
+    """dense_gemm against the float64 reference, every tail of m (6-row tiles; 8-row ones for float32 at 16
+    rows or fewer; AMX: 16-row strips, 32-row blocks, row or panel shares), n (16 x 4 columns; 16 x 3 at 16 rows
+    or fewer; AMX: 16 x 2) and k (bfloat16 pairs; chunks of 768 float32 and 1536 bfloat16 values; AMX: 32-value
+    steps), and both AMX orders (a task's rows within half of L2, 520 x 2100 past it on 2 MB L2s)."""
     skip_unless_gemm_isa(isa, dtype)
     gen = torch.Generator().manual_seed(m * 131 + k * 17 + n)
     x = torch.randn(m, k, generator=gen).to(dtype)
