@@ -104,7 +104,6 @@ def cache_bytes(level: int) -> int | None:
 
 
 @functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=None)
 def build() -> str:
     """Which compiled kernels a measurement timed: fastbert._C's size and modification time, hashed (a
     rebuild, a kernel changed under the same version number, measures afresh); "none" without _C."""
@@ -118,6 +117,7 @@ def build() -> str:
     return hashlib.sha1(f"{stat.st_size} {stat.st_mtime_ns}".encode()).hexdigest()[:10]
 
 
+@functools.lru_cache(maxsize=None)
 def _machine_base() -> str:
     try:
         version = importlib.metadata.version("fastbert")
