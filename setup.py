@@ -85,12 +85,16 @@ def cuda_toolkit() -> str | None:
 CXX_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-DAT_PARALLEL_OPENMP=1", *cpu_flags()]
 
 
+def cpu_sources() -> list[str]:
+    """The C++ of the op registrations and the CPU kernels (every build compiles them)."""
+    return sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+
+
 def cuda_extension(cxx_flags: list[str]):
     """fastbert._C with the CPU kernels plus csrc/cuda: torch-free .cu kernels and their torch bindings."""
     from torch.utils.cpp_extension import CUDAExtension
 
-    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp") + glob.glob("csrc/cuda/*.cpp")
-                     + glob.glob("csrc/cuda/*.cu"))
+    sources = cpu_sources() + sorted(glob.glob("csrc/cuda/*.cpp") + glob.glob("csrc/cuda/*.cu"))
     # FASTBERT_CUDA_ARCHS: the compute capabilities to build for (default 80,90; the GPU check builds 90 only).
     archs = [a for a in os.environ.get("FASTBERT_CUDA_ARCHS", "80,90").replace(" ", "").split(",") if a]
     # --threads 0: each file's architectures compile in parallel (attention.cu's 27 kernels for sm_80 and
@@ -109,8 +113,8 @@ def cpu_extension():
     """fastbert._C with the CPU kernels only."""
     from torch.utils.cpp_extension import CppExtension
 
-    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
-    return CppExtension("fastbert._C", sources, extra_compile_args={"cxx": CXX_FLAGS}, extra_link_args=["-fopenmp"])
+    return CppExtension("fastbert._C", cpu_sources(), extra_compile_args={"cxx": CXX_FLAGS},
+                        extra_link_args=["-fopenmp"])
 
 
 def build_command():
