@@ -559,7 +559,7 @@ void tile_product(int64_t strips, int64_t tiles, const StripAt& strip_at, int64_
 // row stride.
 struct AmxProducts : Bf16Products {
   // The scores of 32 rows (two tile strips) at a time, their softmax right after, while their rows of S are in
-  // L1: on a Xeon with AMX an 8 x 128 forward 1.05-1.10x faster than a whole query block's scores first; level
+  // L1: on a Xeon with AMX an 8 x 128 forward 1.05-1.08x faster than a whole query block's scores first; level
   // at 2 x 512, where 32 rows of S outgrow L1.
   static constexpr int64_t kScoreRows = 32;
   std::vector<c10::BFloat16> edge;  // Q's last strip where it has fewer than 16 rows, zero-padded
