@@ -52,6 +52,11 @@ def nvcc_release(nvcc: str) -> str | None:
     return f"{found[1]}.{found[2]}" if found else None
 
 
+def cuda_required() -> bool:
+    """FASTBERT_REQUIRE_CUDA=1: no CPU-only build in place of the CUDA one; fail and say why."""
+    return os.environ.get("FASTBERT_REQUIRE_CUDA") == "1"
+
+
 def cuda_toolkit() -> str | None:
     """CUDA_HOME when torch is a CUDA build and the toolkit's nvcc exists and has torch's CUDA major version;
     None otherwise (a CPU build). FASTBERT_NO_CUDA=1 forces a CPU build."""
@@ -71,7 +76,7 @@ def cuda_toolkit() -> str | None:
         why = (f"torch is built with CUDA {torch.version.cuda} and {nvcc} is "
                f"{'CUDA ' + release if release else 'not runnable'}; for the CUDA kernels point CUDA_HOME at a CUDA "
                f"{torch.version.cuda.split('.')[0]}.x toolkit")
-        if os.environ.get("FASTBERT_REQUIRE_CUDA") == "1":
+        if cuda_required():
             raise RuntimeError(f"fastbert: FASTBERT_REQUIRE_CUDA=1, but {why}")
         print(f"fastbert: building the CPU kernels only: {why} (FASTBERT_NO_CUDA=1 builds CPU-only without this "
               "message)", file=sys.stderr)
@@ -85,9 +90,9 @@ def cuda_toolkit() -> str | None:
 CXX_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-DAT_PARALLEL_OPENMP=1", *cpu_flags()]
 
 
-def cpu_sources() -> list[str]:
-    """The C++ of the op registrations and the CPU kernels (every build compiles them)."""
-    return sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+def cpu_sources(root: str = ".") -> list[str]:
+    """The C++ of the op registrations and the CPU kernels (every build compiles them), relative to `root`."""
+    return sorted(glob.glob("csrc/*.cpp", root_dir=root) + glob.glob("csrc/cpu/*.cpp", root_dir=root))
 
 
 def cuda_extension(cxx_flags: list[str]):
@@ -129,7 +134,7 @@ def build_command():
                 super().run()
             except Exception as e:  # a compiler's failure reaches here as whatever setuptools wraps it in
                 with_cuda = any(src.endswith(".cu") for ext in self.extensions for src in ext.sources)
-                if not with_cuda or os.environ.get("FASTBERT_REQUIRE_CUDA") == "1":
+                if not with_cuda or cuda_required():
                     raise
                 print(f"fastbert: the build with the CUDA kernels failed ({type(e).__name__}: {e}); building the "
                       "CPU kernels only (FASTBERT_REQUIRE_CUDA=1 fails instead; the compiler's messages are above)",

@@ -137,10 +137,6 @@ def _setup_py():
     return setup_py
 
 
-def _isa_builds() -> dict:
-    return _setup_py().ISA_BUILDS
-
-
 @pytest.mark.parametrize("case", ["cuda fails", "cuda fails, required", "cpu fails"])
 def test_a_failed_cuda_build_builds_the_cpu_kernels(monkeypatch, capsys, case):
     """The build with the CUDA kernels failing (nvcc refusing the host gcc, say) failed the whole install; it
@@ -209,10 +205,6 @@ def test_a_toolkit_of_another_cuda_major_builds_the_cpu_kernels(tmp_path, monkey
             _setup_py().cuda_toolkit()
 
 
-CPU_SOURCES = sorted(glob.glob(os.path.join(ROOT, "csrc", "*.cpp"))
-                     + glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp")))
-
-
 def test_cpu_kernels_compile_for_every_isa(tmp_path):
     """setup.py builds fastbert._C for the best ISA this CPU has, so the code paths of every other ISA
     (AVX-512 with bfloat16 dot products on an AVX2 machine, AVX2 and portable C++ on an AVX-512 one) would
@@ -222,7 +214,8 @@ def test_cpu_kernels_compile_for_every_isa(tmp_path):
 
     import torch
 
-    builds = _isa_builds()
+    setup_py = _setup_py()
+    builds, sources = setup_py.ISA_BUILDS, [os.path.join(ROOT, src) for src in setup_py.cpu_sources(ROOT)]
     try:
         from fastbert import _C
 
@@ -240,7 +233,7 @@ def test_cpu_kernels_compile_for_every_isa(tmp_path):
     for isa, (_, flags) in builds.items():
         if isa == built:
             continue
-        for src in CPU_SOURCES:
+        for src in sources:
             obj = tmp_path / f"{isa}.{os.path.basename(src)}.o"
             cmd = [compiler, "-c", "-std=c++17", "-O0", "-w", "-fPIC", "-fopenmp", *flags, *defines, *includes, src,
                    "-o", str(obj)]
